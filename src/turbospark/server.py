@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from turbospark import __version__
-from turbospark.api import openai
+from turbospark.api import anthropic, openai
 from turbospark.api.common import ServerState, state_of
 
 
@@ -28,6 +28,7 @@ async def health(request: Request) -> Response:
 def create_app(state: ServerState) -> Starlette:
     routes: list[BaseRoute] = [Route("/health", health, methods=["GET"])]
     # Each API module contributes routes(); order matters only where paths overlap.
+    routes += anthropic.routes()  # before openai: it answers /v1/models in either envelope
     routes += openai.routes()
     app = Starlette(routes=routes)
     app.state.server = state

@@ -442,6 +442,7 @@ class SlowScripted(ScriptedChatModel):
         super().__init__(replies, **kwargs)
         self.delay = delay
         self.started = threading.Event()
+        self.cancelled = threading.Event()
 
     def run_completion(
         self,
@@ -455,6 +456,8 @@ class SlowScripted(ScriptedChatModel):
         deadline = time.monotonic() + self.delay
         while time.monotonic() < deadline and not cancel.is_set():
             time.sleep(0.01)
+        if cancel.is_set():
+            self.cancelled.set()
         return super().run_completion(prompt_ids, config, images, cancel, on_progress)
 
 
@@ -504,6 +507,51 @@ def test_pings_while_waiting_in_the_queue_then_overloaded_when_the_line_is_full(
     assert names[:2] == ["message_start", "ping"]
     assert names[2 : names.index("content_block_start")].count("ping") >= 3
     assert names[-1] == "message_stop"
+
+
+def test_client_disconnect_during_prefill_cancels_the_generation() -> None:
+    backend = SlowScripted(["never sent"], delay=30.0)
+    backend.configure(queue=GenerationQueue(max_active=1))
+    with served(backend, ping_interval=0.1) as srv:
+        with httpx.stream(
+            "POST", srv.url + "/v1/messages", json=body(stream=True), headers={"anthropic-version": "1"}
+        ) as response:
+            lines = response.iter_lines()
+            assert next(lines) == "event: message_start"
+            assert backend.started.wait(10)
+        assert backend.cancelled.wait(10)
+        queue = backend.generation_queue()
+        assert queue is not None
+        deadline = time.monotonic() + 10
+        while queue.num_active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert queue.num_active == 0  # the slot came back
+
+
+def test_client_disconnect_while_queued_leaves_the_line() -> None:
+    backend = SlowScripted(["never sent"], delay=30.0)
+    queue = GenerationQueue(max_active=1, max_waiting=4)
+    backend.configure(queue=queue)
+
+    def wait_for(condition: Any) -> None:
+        deadline = time.monotonic() + 10
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert condition()
+
+    with served(backend, ping_interval=0.1) as srv:
+        request = {"json": body(stream=True), "headers": {"anthropic-version": "1"}}
+        # Iterators are kept referenced: a dropped one closes its response (a disconnect).
+        with httpx.stream("POST", srv.url + "/v1/messages", **request) as holder:
+            holder_lines = holder.iter_lines()
+            assert next(holder_lines) == "event: message_start"
+            with httpx.stream("POST", srv.url + "/v1/messages", **request) as waiter:
+                waiter_lines = waiter.iter_lines()
+                assert next(waiter_lines) == "event: message_start"  # pinged while in line
+                assert queue.num_waiting == 1
+            wait_for(lambda: queue.num_waiting == 0)
+            assert queue.num_active == 1
+        wait_for(lambda: queue.num_active == 0)
 
 
 class FailsMidStream(ScriptedChatModel):

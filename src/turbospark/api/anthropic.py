@@ -357,7 +357,7 @@ def parse_messages(raw: Any, system: str | None) -> ParsedMessages:
                 "message after it",
                 "messages",
             )
-        parsed.prefill = last.content
+        parsed.prefill = last.content or None  # an empty final turn asks for nothing
         out.pop()
         if not out:
             raise invalid("'messages' must start with a user message", "messages")

@@ -8,15 +8,17 @@ send them: Claude Code, the anthropic SDK's `model_dump()` history (null extras)
 Mapping decisions, stated once:
 - `system` (a string or text blocks) and system-role messages before the first turn become one
   system message; a system-role message later in `messages` stays a system turn in place.
-- Claude Code's first system block is a per-request attribution line
-  (`x-anthropic-billing-header: ...`). It means nothing to a local model and would make every
-  prompt differ from its first tokens on, defeating prompt-prefix reuse, so it is dropped.
+- Claude Code's first system block is an attribution line (`x-anthropic-billing-header: ...`)
+  that changes between requests. It means nothing to a local model and would make prompts
+  differ from their first tokens on, defeating prompt-prefix reuse, so a system block that
+  starts with it is dropped.
 - `tool_result` blocks become tool messages (named after the matching `tool_use`); an error
   result is prefixed with "Error: ". Thinking blocks in history become the turn's reasoning;
   `redacted_thinking` is skipped. A final assistant message is a prefill the reply continues.
 - `thinking` disabled -> effort off; enabled -> an effort from `budget_tokens` (or from
   `output_config.effort`) with that budget enforced; adaptive -> `output_config.effort`, else the
-  backend's default, else medium. `output_config.effort` max -> high.
+  backend's default, else medium; not sent -> the backend's default. `output_config.effort`
+  max -> high. `output_config.format` (or the older `output_format`) is a JSON-schema output.
 - Thinking blocks carry a signature: an HMAC of the thinking text under a per-process key,
   stable within one server process and opaque to the client.
 - Errors use Anthropic's envelope; a full admission queue is 529 overloaded_error with
@@ -52,7 +54,7 @@ from turbospark.api.common import (
     state_of,
     until_disconnect,
 )
-from turbospark.backend import ReasoningEffort
+from turbospark.backend import ReasoningEffort, RequestImage
 from turbospark.errors import ApiError, ErrorKind, invalid
 from turbospark.events import (
     Event,
@@ -167,7 +169,7 @@ def _text_of_blocks(raw: Any, where: str, *, drop_attribution: bool = False) -> 
     return "\n".join(texts)
 
 
-def _image(block: dict[str, Any], where: str) -> Any:
+def _image(block: dict[str, Any], where: str) -> RequestImage:
     source = f.obj(block, "source", f"{where}.source", required=True) or {}
     kind = f.string(source, "type", f"{where}.source.type", required=True)
     if kind == "base64":
@@ -195,6 +197,19 @@ def _document_text(block: dict[str, Any], where: str) -> str:
     )
 
 
+def _add_content(block: dict[str, Any], kind: str | None, where: str, msg: Message, texts: list[str]) -> bool:
+    """Adds a text, image or document block to `msg` (text to `texts`); False for other kinds."""
+    if kind == "text":
+        texts.append(f.string(block, "text", f"{where}.text", required=True) or "")
+    elif kind == "image":
+        msg.images.append(_image(block, where))
+    elif kind == "document":
+        texts.append(_document_text(block, where))
+    else:
+        return False
+    return True
+
+
 def _tool_result(block: dict[str, Any], where: str, names: dict[str, str]) -> Message:
     tool_use_id = f.string(block, "tool_use_id", f"{where}.tool_use_id", required=True) or ""
     msg = Message(role="tool", tool_call_id=tool_use_id, name=names.get(tool_use_id))
@@ -207,13 +222,7 @@ def _tool_result(block: dict[str, Any], where: str, names: dict[str, str]) -> Me
             pw = f"{where}.content[{j}]"
             part = f.as_object(part, pw)
             kind = f.string(part, "type", f"{pw}.type", required=True)
-            if kind == "text":
-                texts.append(f.string(part, "text", f"{pw}.text", required=True) or "")
-            elif kind == "image":
-                msg.images.append(_image(part, pw))
-            elif kind == "document":
-                texts.append(_document_text(part, pw))
-            else:
+            if not _add_content(part, kind, pw, msg, texts):
                 raise invalid(
                     f"'{pw}.type' {kind!r} is not supported in a tool result; use 'text' or 'image'",
                     f"{pw}.type",
@@ -256,19 +265,13 @@ def _user_message(content: Any, where: str, names: dict[str, str]) -> list[Messa
             continue
         if current is None:
             current = Message(role="user")
-        if kind == "text":
-            texts.append(f.string(block, "text", f"{bw}.text", required=True) or "")
-        elif kind == "image":
-            current.images.append(_image(block, bw))
-        elif kind == "document":
-            texts.append(_document_text(block, bw))
-        elif kind in ("tool_use", "thinking", "redacted_thinking"):
+        if _add_content(block, kind, bw, current, texts):
+            continue
+        if kind in ("tool_use", "thinking", "redacted_thinking"):
             raise invalid(f"'{bw}.type' {kind!r} is only allowed in assistant messages", f"{bw}.type")
-        else:
-            raise invalid(
-                f"'{bw}.type' {kind!r} is not supported; use text, image, document or tool_result",
-                f"{bw}.type",
-            )
+        raise invalid(
+            f"'{bw}.type' {kind!r} is not supported; use text, image, document or tool_result", f"{bw}.type"
+        )
     close_user()
     return out
 
@@ -528,10 +531,10 @@ def plan_messages(parsed: MessagesRequest, registry: ModelRegistry) -> Plan:
     backend = registry.resolve(chat.model)
     chat.reasoning_effort = parsed.thinking.resolve(backend.default_reasoning())
     chat.thinking_budget = parsed.thinking.budget
-    if parsed.prefill is not None and chat.reasoning_effort is None:
+    if parsed.prefill is not None:
         chat.reasoning_effort = ReasoningEffort.OFF  # a prefill must not land inside a think block
     plan = make_plan(chat, registry)
-    if parsed.prefill:
+    if parsed.prefill is not None:
         _apply_prefill(plan, parsed.prefill)
     return plan
 

@@ -27,7 +27,6 @@ Mapping decisions, stated once:
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import hashlib
@@ -35,7 +34,7 @@ import hmac
 import secrets
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from starlette.requests import Request
@@ -48,6 +47,7 @@ from turbospark.api.common import (
     Handler,
     endpoint,
     new_id,
+    prime,
     read_json,
     retry_headers,
     sse_response,
@@ -720,38 +720,6 @@ class StreamWriter:
         return out
 
 
-async def heartbeat(source: AsyncIterator[Event], interval: float) -> AsyncGenerator[Event, None]:
-    """`source`, with a `Ping` whenever it is silent for `interval` seconds.
-
-    `stream_choice` pings during prefill itself; this also covers the wait in the admission
-    queue before it, so a client's idle timeout never fires while the request is in line.
-    """
-    pending: asyncio.Future[Event] | None = None
-    try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(source.__anext__())
-            done, _ = await asyncio.wait({pending}, timeout=interval)
-            if not done:
-                yield Ping()
-                continue
-            try:
-                event = pending.result()
-            except StopAsyncIteration:
-                return
-            pending = None
-            yield event
-    finally:
-        if pending is not None and not pending.done():
-            pending.cancel()
-            with contextlib.suppress(BaseException):
-                await pending
-        aclose = getattr(source, "aclose", None)
-        if aclose is not None:
-            with contextlib.suppress(BaseException):
-                await aclose()
-
-
 async def messages(request: Request) -> Response:
     body = await read_json(request)
     parsed = parse_messages_request(body)
@@ -767,16 +735,11 @@ async def messages(request: Request) -> Response:
 
 async def _stream_message(plan: Plan, ident: str, ping_interval: float) -> Response:
     chat = plan.request
-    events = heartbeat(stream_choice(plan, 0, ping_interval), ping_interval)
-    # An error before the first event (a full queue, an image the model cannot read) is still a
-    # plain HTTP error; anything after the stream started is an `event: error` frame.
-    try:
-        first = await events.__anext__()
-    except StopAsyncIteration:
-        first = None
-    except BaseException:
-        await events.aclose()
-        raise
+    # An error before the first event (a full queue, a prompt the backend refuses) is still a
+    # plain HTTP error; anything after the stream started is an `event: error` frame. The first
+    # event comes within one ping interval even while the request waits in line.
+    stream = cast(AsyncGenerator[Event, None], stream_choice(plan, 0, ping_interval))
+    first, events = await prime(stream)
 
     start = {
         "type": "message_start",
@@ -812,7 +775,7 @@ async def _stream_message(plan: Plan, ident: str, ping_interval: float) -> Respo
             yield sse_event("error", error_body(exc))
         finally:
             with contextlib.suppress(BaseException):  # torn down on disconnect: stop generating
-                await events.aclose()
+                await stream.aclose()
 
     return sse_response(frames())
 

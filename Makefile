@@ -22,7 +22,7 @@ install-test: install
 
 # The real Claude Code CLI, for the gateway tests (from the npm registry).
 claude:
-	@command -v claude >/dev/null 2>&1 || npm install -g --silent @anthropic-ai/claude-code@2
+	@command -v claude >/dev/null 2>&1 || npm install -g --silent @anthropic-ai/claude-code@2.1.197
 
 serve: install
 	$(BIN)/turbospark serve --host 127.0.0.1 --port $(PORT) $(ARGS)

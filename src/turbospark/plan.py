@@ -97,6 +97,9 @@ def _with_default_system(messages: list[Message], system: str | None) -> list[Me
 
 def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
     backend = registry.resolve(request.model)
+    if backend.vision() is None and request.images():
+        # Refused here, by name: a text-only template cannot even render image parts.
+        raise invalid(f"model {backend.model_id!r} cannot read images: it has no vision tower", "messages")
     tokenizer = backend.tokenizer
     effort = request.reasoning_effort or backend.default_reasoning()
     template = tokenizer.chat_template or CHATML_TEMPLATE

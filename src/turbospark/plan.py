@@ -103,6 +103,13 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
     think_id = tokenizer.token_to_id("<think>")
     has_reasoning = think_id is not None or "<think>" in template
 
+    if request.images() and backend.vision() is None:
+        raise invalid(
+            f"model {backend.model_id!r} cannot read images: it has no vision tower; send text only "
+            "or choose a vision model",
+            "messages",
+        )
+
     if request.prompt is not None:
         prompt_text = request.prompt
         prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=request.add_special_tokens)

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from turbospark import __version__
-from turbospark.api import ollama, openai
+from turbospark.api import ollama, openai, responses
 from turbospark.api.common import ServerState, state_of
 
 
@@ -29,6 +29,7 @@ def create_app(state: ServerState) -> Starlette:
     routes: list[BaseRoute] = [Route("/health", health, methods=["GET"])]
     # Each API module contributes routes(); order matters only where paths overlap.
     routes += openai.routes()
+    routes += responses.routes()
     routes += ollama.routes()
     app = Starlette(routes=routes)
     app.state.server = state

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -16,6 +17,8 @@ from turbospark.api.ollama import (
 )
 from turbospark.backend import ReasoningEffort
 from turbospark.errors import ApiError
+from turbospark.queue import GenerationQueue
+from turbospark.ratecontrol import RateControl
 from turbospark.scripted import ScriptedChatModel
 from turbospark.testing import LiveServer
 
@@ -239,3 +242,39 @@ def test_names_as_ollama_lists_them() -> None:
         assert names == ["qwen2.5-coder:0.5b"]
         body = {"model": names[0], "prompt": "x", "stream": False}
         assert httpx.post(server.url + "/api/generate", json=body).json()["response"] == "ok"
+
+
+def slow_backend(reply_len: int = 2000) -> tuple[ScriptedChatModel, RateControl]:
+    backend = ScriptedChatModel(["z" * reply_len])
+    control = RateControl(200)
+    backend.configure(rate=control, queue=GenerationQueue(max_active=1, max_waiting=0, retry_after=2))
+    return backend, control
+
+
+def test_disconnect_stops_generation_and_frees_the_slot() -> None:
+    backend, control = slow_backend()
+    with LiveServer([backend]) as server, httpx.Client(base_url=server.url) as client:
+        body = {"model": "scripted", "messages": ASK}
+        with client.stream("POST", "/api/chat", json=body) as reply:
+            lines = reply.iter_lines()
+            for _ in range(5):
+                next(lines)
+            # The only slot is taken: a second request is turned away, Ollama-shaped.
+            busy = httpx.post(server.url + "/api/chat", json={**body, "stream": False})
+            assert busy.status_code == 429 and "error" in busy.json()
+            assert busy.headers["retry-after"] == "2"
+        time.sleep(0.5)
+        made = control.num_tokens
+        time.sleep(0.5)
+        assert control.num_tokens == made < 300  # stopped, far short of the whole reply
+        short = client.post("/api/chat", json={**body, "stream": False, "options": {"num_predict": 3}})
+        assert short.json()["message"]["content"] == "zzz"
+
+        with pytest.raises(httpx.ReadTimeout):
+            client.post(
+                "/api/generate", json={"model": "scripted", "prompt": "x", "stream": False}, timeout=0.5
+            )
+        time.sleep(0.5)
+        made = control.num_tokens
+        time.sleep(0.5)
+        assert control.num_tokens == made

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from turbospark.backend import (
     RequestImage,
 )
 from turbospark.errors import ApiError
+from turbospark.ratecontrol import RateControl
 from turbospark.scripted import ScriptedChatModel
 from turbospark.testing import LiveServer
 
@@ -391,3 +393,19 @@ def test_request_fields_map() -> None:
         parse_request({"model": "m", "input": "hi", "tool_choice": {"type": "function", "name": "nope"}})
     with pytest.raises(ApiError, match="input"):
         parse_request({"model": "m", "input": 3})
+
+
+def test_stream_disconnect_stops_generation() -> None:
+    backend = ScriptedChatModel(["z" * 2000])
+    control = RateControl(200)
+    backend.configure(rate=control)
+    with LiveServer([backend]) as server, client_for(server) as client:
+        stream = client.responses.create(model="scripted", input="hi", stream=True)
+        events = iter(stream)
+        for _ in range(8):
+            next(events)
+        stream.close()
+        time.sleep(0.5)
+        made = control.num_tokens
+        time.sleep(0.5)
+        assert control.num_tokens == made < 300

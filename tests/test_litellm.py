@@ -152,3 +152,24 @@ def test_openai_route(litellm: ModuleType) -> None:
     (call,) = with_tools.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     assert with_tools.choices[0].finish_reason == "tool_calls"
+
+
+# LiteLLM's own TypedDicts trip a pydantic warning when its generate route builds a schema.
+@pytest.mark.filterwarnings("ignore:.*using the `ReadOnly` qualifier:UserWarning")
+def test_ollama_generate_route_and_responses_bridge(litellm: ModuleType) -> None:
+    # Beyond the two required routes: `ollama/` goes through /api/generate, and
+    # litellm.responses with an `openai/` model through /v1/responses.
+    backend = ScriptedChatModel(["<think>Hm.</think>Hello."])
+    with LiveServer([backend]) as server:
+        generated = litellm.completion(model="ollama/scripted", api_base=server.url, messages=ASK)
+        streamed = list(
+            litellm.completion(model="ollama/scripted", api_base=server.url, messages=ASK, stream=True)
+        )
+        response = litellm.responses(
+            model="openai/scripted", api_base=server.url + "/v1", api_key="unused", input="hi"
+        )
+    assert generated.choices[0].message.content == "Hello."
+    assert generated.choices[0].message.reasoning_content == "Hm."
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == "Hello."
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.output[1].content[0].text == "Hello."

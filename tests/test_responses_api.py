@@ -106,7 +106,7 @@ def test_stream_event_sequence(thoughtful: tuple[openai.OpenAI, ScriptedChatMode
     assert len({e.response.id for e in events if hasattr(e, "response")}) == 1  # type: ignore[attr-defined]
 
 
-def test_stream_helper_and_non_streaming_agree() -> None:
+def test_responses_stream_and_non_streaming_agree() -> None:
     server, _ = serve(THOUGHTFUL)
     with server, client_for(server) as client:
         whole = client.responses.create(model="scripted", input="Say hello")
@@ -116,7 +116,7 @@ def test_stream_helper_and_non_streaming_agree() -> None:
     assert "".join(deltas) == final.output_text == whole.output_text == "Hello there!"
 
     def shape(value: Any) -> Any:
-        # Ids differ per response; the stream helper adds its parsed_* fields.
+        # Ids differ per response; responses.stream adds its parsed_* fields.
         if isinstance(value, dict):
             return {k: shape(v) for k, v in value.items() if k != "id" and not k.startswith("parsed")}
         if isinstance(value, list):

@@ -404,7 +404,7 @@ class _Calls:
 
 def _chat_message(
     content: str, thinking: str | None = None, calls: list[dict[str, Any]] | None = None
-) -> Any:
+) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if thinking:
         message["thinking"] = thinking

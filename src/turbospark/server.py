@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from turbospark import __version__
-from turbospark.api import anthropic, openai, operations
+from turbospark.api import anthropic, ollama, openai, operations, responses
 from turbospark.api.common import ServerState, state_of
 
 
@@ -31,6 +31,8 @@ def create_app(state: ServerState) -> Starlette:
     routes += operations.routes()
     routes += anthropic.routes()  # before openai: it answers /v1/models in either envelope
     routes += openai.routes()
+    routes += responses.routes()
+    routes += ollama.routes()
     app = Starlette(routes=routes)
     app.state.server = state
     return app

@@ -513,11 +513,9 @@ def build_config(gguf: GGUFFile) -> dict[str, Any]:
         "bos_token_id": _meta_int(meta, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _meta_int(meta, "tokenizer.ggml.eos_token_id"),
     }
-    if rope_dim != head_dim:
+    if rope_dim is not None and rope_dim != head_dim:
         config["partial_rotary_factor"] = rope_dim / head_dim
-    if arch == "qwen2":
-        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers)
-    if arch == "qwen3":
+    if arch in ("qwen2", "qwen3"):
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers)
     return config
 

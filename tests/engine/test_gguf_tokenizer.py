@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from gguf import GGUFWriter
 
-from turbospark.engine import gguf_tokenizer
 from turbospark.engine.gguf_loader import GGUFFile
 from turbospark.engine.gguf_tokenizer import load_gguf_tokenizer
 from turbospark.engine.loader import default_model_path
@@ -50,7 +49,9 @@ def assert_same_as_transformers(folder: Path, name: str, tokenizer, corpus=CORPU
         ids = tokenizer.encode(text).ids
         assert ids == reference.encode(text), text
         for skip in (False, True):
-            assert tokenizer.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+            assert tokenizer.decode(ids, skip_special_tokens=skip) == reference.decode(
+                ids, skip_special_tokens=skip
+            )
 
 
 @pytest.fixture(autouse=True)
@@ -100,7 +101,9 @@ PULLED_QWEN = _pulled_qwen()
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(PULLED_QWEN is None, reason="run `python -m turbospark.engine.pull qwen2.5-coder:0.5b` first")
+@pytest.mark.skipif(
+    PULLED_QWEN is None, reason="run `python -m turbospark.engine.pull qwen2.5-coder:0.5b` first"
+)
 def test_qwen25_tokenizer_matches_transformers(tmp_path):
     assert PULLED_QWEN is not None
     (tmp_path / PULLED_QWEN.name).symlink_to(PULLED_QWEN)

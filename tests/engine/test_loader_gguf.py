@@ -106,7 +106,8 @@ def test_unpermute_inverts_llama_cpp_permutation():
         assert torch.equal(unpermute_rows(permuted, num_heads), torch.from_numpy(weight))
         bias = rng.normal(size=(num_heads * head_dim,)).astype(np.float32)
         assert torch.equal(
-            unpermute_rows(torch.from_numpy(llama_cpp_permute(bias, num_heads)), num_heads), torch.from_numpy(bias)
+            unpermute_rows(torch.from_numpy(llama_cpp_permute(bias, num_heads)), num_heads),
+            torch.from_numpy(bias),
         )
 
 
@@ -186,7 +187,9 @@ def write_tiny_gguf(
 
     expected: dict[str, np.ndarray] = {}
 
-    def add(gguf_name: str, hf_name: str, values: np.ndarray, qtype: GGMLQuantizationType, permute: int = 0) -> None:
+    def add(
+        gguf_name: str, hf_name: str, values: np.ndarray, qtype: GGMLQuantizationType, permute: int = 0
+    ) -> None:
         stored = llama_cpp_permute(values, permute) if permute else values
         if ffn_up_type is not None and gguf_name.endswith("ffn_up.weight"):
             # a type we cannot quantize to: zero blocks of the right size
@@ -201,9 +204,7 @@ def write_tiny_gguf(
             writer.add_tensor(gguf_name, packed, raw_shape=packed.shape, raw_dtype=qtype)
             # the float values the file really holds, in HF row order
             held = quants.dequantize(packed, qtype).reshape(values.shape)
-            expected[hf_name] = (
-                unpermute_rows(torch.from_numpy(held), permute).numpy() if permute else held
-            )
+            expected[hf_name] = unpermute_rows(torch.from_numpy(held), permute).numpy() if permute else held
 
     def normal(*shape: int) -> np.ndarray:
         return rng.normal(size=shape).astype(np.float32)
@@ -220,8 +221,19 @@ def write_tiny_gguf(
         q_heads = num_heads if permuted else 0
         kv_heads = num_kv_heads if permuted else 0
         add(p + "attn_q.weight", h + "self_attn.q_proj.weight", normal(hidden, hidden), weight_type, q_heads)
-        add(p + "attn_k.weight", h + "self_attn.k_proj.weight", normal(num_kv_heads * head_dim, hidden), weight_type, kv_heads)
-        add(p + "attn_v.weight", h + "self_attn.v_proj.weight", normal(num_kv_heads * head_dim, hidden), weight_type)
+        add(
+            p + "attn_k.weight",
+            h + "self_attn.k_proj.weight",
+            normal(num_kv_heads * head_dim, hidden),
+            weight_type,
+            kv_heads,
+        )
+        add(
+            p + "attn_v.weight",
+            h + "self_attn.v_proj.weight",
+            normal(num_kv_heads * head_dim, hidden),
+            weight_type,
+        )
         add(p + "attn_output.weight", h + "self_attn.o_proj.weight", normal(hidden, hidden), weight_type)
         if arch == "qwen2":
             add(p + "attn_q.bias", h + "self_attn.q_proj.bias", normal(hidden), Q.F32)
@@ -278,7 +290,9 @@ def test_tiny_llama_matches_transformers(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, weight_type=Q.Q8_0)
     ours = load_gguf(path, progress=False).tensors
-    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).state_dict()
+    reference = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32
+    ).state_dict()
     for name, tensor in reference.items():
         if name == "lm_head.weight":  # tied: transformers exposes the embedding under both names
             assert torch.equal(tensor, ours["model.embed_tokens.weight"])
@@ -315,7 +329,7 @@ def test_not_a_gguf_file(tmp_path):
 
 
 def test_missing_path(tmp_path):
-    with pytest.raises(ModelNotFound, match="nowhere.gguf"):
+    with pytest.raises(ModelNotFound, match=r"nowhere\.gguf"):
         load_checkpoint(str(tmp_path / "nowhere.gguf"), progress=False)
     with pytest.raises(ModelNotFound, match="no-such-model"):
         resolve_model_spec("no-such-model")
@@ -339,7 +353,9 @@ def test_unsupported_tensor_type_is_named(tmp_path):
     path = tmp_path / "odd.gguf"
     write_tiny_gguf(path, ffn_up_type=Q.Q8_K, hidden=256)
     assert GGUFFile(path).tensors["blk.0.ffn_up.weight"].type_name == "Q8_K"
-    with pytest.raises(ModelLoadError, match=r"odd\.gguf: tensor 'blk\.0\.ffn_up\.weight': no dequantizer for Q8_K"):
+    with pytest.raises(
+        ModelLoadError, match=r"odd\.gguf: tensor 'blk\.0\.ffn_up\.weight': no dequantizer for Q8_K"
+    ):
         load_checkpoint(str(path), progress=False)
 
 
@@ -415,3 +431,13 @@ def test_folder_with_one_gguf_resolves_to_it(tmp_path):
     shutil.copy(path, path.parent / "second.gguf")
     with pytest.raises(ModelLoadError, match="several GGUF files"):
         resolve_model_spec(str(path.parent))
+
+
+def test_dtype_option_dequantizes_straight_to_bfloat16(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    expected = write_tiny_gguf(path, weight_type=Q.Q5_0)
+    ckpt = load_checkpoint(str(path), progress=False, dtype=torch.bfloat16)
+    assert ckpt.config["torch_dtype"] == "bfloat16"
+    for name, values in expected.items():
+        assert ckpt.tensors[name].dtype == torch.bfloat16
+        assert torch.equal(ckpt.tensors[name], torch.from_numpy(values).to(torch.bfloat16)), name

@@ -148,7 +148,7 @@ def test_hf_id_from_local_cache(tmp_path, hf_tokenizer, monkeypatch):
     monkeypatch.delenv("HF_HUB_CACHE")
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # HF_HOME/hub is the same cache
     assert resolve_model_spec("TestOrg/Tiny-Chat") == ("hf", snapshot)
-    with pytest.raises(ModelNotFound, match="TestOrg/Other.*Hugging Face cache"):
+    with pytest.raises(ModelNotFound, match=r"TestOrg/Other.*Hugging Face cache"):
         resolve_model_spec("TestOrg/Other")
 
 
@@ -160,7 +160,10 @@ def test_chat_template_from_jinja_file(tmp_path, hf_tokenizer):
     tokenizer_config.pop("chat_template", None)
     config_path.write_text(json.dumps(tokenizer_config))
     (folder / "chat_template.jinja").write_text("{{ messages[0].content }}")
-    assert load_checkpoint(str(folder), progress=False).tokenizer_config["chat_template"] == "{{ messages[0].content }}"
+    assert (
+        load_checkpoint(str(folder), progress=False).tokenizer_config["chat_template"]
+        == "{{ messages[0].content }}"
+    )
 
 
 def test_folder_without_config_json(tmp_path, hf_tokenizer):
@@ -209,3 +212,12 @@ def test_quantized_checkpoint_is_refused(tmp_path, hf_tokenizer):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=r"config\.json: quantized checkpoints \(awq\)"):
         load_checkpoint(str(folder), progress=False)
+
+
+def test_dtype_option_converts_floating_tensors(tmp_path, hf_tokenizer):
+    folder = tmp_path / "tiny"
+    model = save_tiny(folder, hf_tokenizer)
+    ckpt = load_checkpoint(str(folder), progress=False, dtype=torch.bfloat16)
+    assert ckpt.config["torch_dtype"] == "bfloat16"
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(ckpt.tensors[name], tensor.to(torch.bfloat16)), name

@@ -391,23 +391,33 @@ _PLAIN_DTYPES: dict[int, torch.dtype] = {
     GGMLQuantizationType.I32: torch.int32,
     GGMLQuantizationType.I64: torch.int64,
 }
-# Blocks per dequantization step: bounds the temporaries to a few MB so they stay in cache.
-_BLOCKS_PER_CHUNK = 1 << 15
+# Elements per dequantization step: bounds the temporaries while keeping the number of torch ops
+# (each a parallel region, costly when another process holds a core) small.
+_ELEMENTS_PER_CHUNK = 1 << 20
 
 
-def dequantize(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """`raw` uint8 bytes of one tensor -> a tensor of `shape` (float32 for quantized types)."""
+def dequantize(
+    raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...], dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """`raw` uint8 bytes of one tensor -> a tensor of `shape`.
+
+    Quantized types come back as `dtype` (default float32), computed in float32 chunk by chunk so
+    a bf16 result never holds the whole float32 tensor; plain types are views of `raw` unless a
+    different `dtype` is asked for.
+    """
     plain = _PLAIN_DTYPES.get(ggml_type)
     if plain is not None:
-        return raw.view(plain).view(shape)
+        view = raw.view(plain).view(shape)
+        return view if dtype is None or not plain.is_floating_point else view.to(dtype)
     block_size, type_size = _QUANT_SIZES[ggml_type]
     blocks = raw.view(-1, type_size)  # (num_blocks, type_size)
     fn = _TORCH_DEQUANT.get(ggml_type)
     if fn is None:
-        return _dequantize_numpy(blocks, ggml_type).view(shape)
-    out = torch.empty(blocks.shape[0], block_size, dtype=torch.float32)
-    for start in range(0, blocks.shape[0], _BLOCKS_PER_CHUNK):
-        out[start : start + _BLOCKS_PER_CHUNK] = fn(blocks[start : start + _BLOCKS_PER_CHUNK])
+        return _dequantize_numpy(blocks, ggml_type).view(shape).to(dtype or torch.float32)
+    out = torch.empty(blocks.shape[0], block_size, dtype=dtype or torch.float32)
+    step = max(1, _ELEMENTS_PER_CHUNK // block_size)
+    for start in range(0, blocks.shape[0], step):
+        out[start : start + step] = fn(blocks[start : start + step])
     return out.view(shape)
 
 
@@ -587,7 +597,10 @@ def _dominant_dtype(gguf: GGUFFile) -> str:
 
 
 def iter_hf_tensors(
-    gguf: GGUFFile, config: Mapping[str, Any], on_tensor: Callable[[TensorInfo], None] | None = None
+    gguf: GGUFFile,
+    config: Mapping[str, Any],
+    on_tensor: Callable[[TensorInfo], None] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every tensor of the file, dequantized and un-permuted."""
     arch = gguf.metadata["general.architecture"]
@@ -601,7 +614,7 @@ def iter_hf_tensors(
                 continue  # folded into config["rope_scaling"]
             raise ModelLoadError(f"{gguf.path}: unexpected tensor {info.name!r} for architecture {arch!r}")
         try:
-            tensor = dequantize(gguf.raw(info), info.ggml_type, info.shape)
+            tensor = dequantize(gguf.raw(info), info.ggml_type, info.shape, dtype)
         except ModelLoadError as e:
             raise ModelLoadError(f"{gguf.path}: tensor {info.name!r}: {e}") from e
         if is_permuted and info.name.endswith((".attn_q.weight", ".attn_q.bias")):
@@ -613,8 +626,14 @@ def iter_hf_tensors(
         yield hf_name, tensor
 
 
-def load_gguf(path: Path, *, name: str | None = None, progress: bool = True) -> LoadedCheckpoint:
-    """Load a GGUF file: config, HF-named float tensors, tokenizer and tokenizer config."""
+def load_gguf(
+    path: Path, *, name: str | None = None, progress: bool = True, dtype: torch.dtype | None = None
+) -> LoadedCheckpoint:
+    """Load a GGUF file: config, HF-named float tensors, tokenizer and tokenizer config.
+
+    `dtype` None keeps F32/F16/BF16 tensors as stored and dequantizes the rest to float32;
+    a dtype (e.g. torch.bfloat16) makes every floating tensor that dtype.
+    """
     from tqdm import tqdm
 
     from turbospark.engine.gguf_tokenizer import load_gguf_tokenizer
@@ -634,9 +653,11 @@ def load_gguf(path: Path, *, name: str | None = None, progress: bool = True) -> 
         leave=False,
         dynamic_ncols=True,
     ) as bar:
-        for hf_name, tensor in iter_hf_tensors(gguf, config, lambda info: bar.update(info.nbytes)):
+        for hf_name, tensor in iter_hf_tensors(gguf, config, lambda info: bar.update(info.nbytes), dtype):
             tensors[hf_name] = tensor
     _check_complete(gguf, config, tensors)
+    if dtype is not None:
+        config["torch_dtype"] = str(dtype).removeprefix("torch.")
     return LoadedCheckpoint(
         name=name or path.stem,
         source=str(path),

@@ -218,8 +218,14 @@ def load_tokenizer_files(folder: Path, config: Mapping[str, Any]) -> tuple[Token
     return tokenizer, tokenizer_config
 
 
-def load_hf_folder(folder: Path, *, name: str | None = None, progress: bool = True) -> LoadedCheckpoint:
-    """Load a Hugging Face checkpoint folder (see the module docstring)."""
+def load_hf_folder(
+    folder: Path, *, name: str | None = None, progress: bool = True, dtype: torch.dtype | None = None
+) -> LoadedCheckpoint:
+    """Load a Hugging Face checkpoint folder (see the module docstring).
+
+    `dtype` None keeps the stored dtypes (zero-copy); a dtype converts every floating tensor
+    that is not already of it (a copy).
+    """
     from tqdm import tqdm
 
     if not folder.is_dir():
@@ -235,6 +241,9 @@ def load_hf_folder(folder: Path, *, name: str | None = None, progress: bool = Tr
     ):
         tensors.update(read_safetensors(path))
     config = normalize_config(raw_config, tensors, config_path)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+        config["torch_dtype"] = str(dtype).removeprefix("torch.")
     tokenizer, tokenizer_config = load_tokenizer_files(folder, config)
     if "max_position_embeddings" in config:
         tokenizer_config.setdefault("model_max_length", config["max_position_embeddings"])

@@ -174,8 +174,15 @@ def resolve_model_spec(spec: str) -> tuple[str, Path]:
     raise ModelNotFound(f"model {spec!r}: no such file or folder (known names: {known})")
 
 
-def load_checkpoint(spec: str, *, progress: bool = True) -> LoadedCheckpoint:
-    """Load the checkpoint a spec names (see the module docstring); raises ModelLoadError."""
+def load_checkpoint(
+    spec: str, *, progress: bool = True, dtype: torch.dtype | None = None
+) -> LoadedCheckpoint:
+    """Load the checkpoint a spec names (see the module docstring); raises ModelLoadError.
+
+    `dtype` None: tensors as stored (safetensors, GGUF F32/F16/BF16) or float32 (quantized GGUF).
+    A dtype such as torch.bfloat16 makes every floating tensor that dtype, which halves the
+    memory of a quantized GGUF against float32.
+    """
     from turbospark.engine import pull
 
     kind, path = resolve_model_spec(spec)
@@ -193,7 +200,7 @@ def load_checkpoint(spec: str, *, progress: bool = True) -> LoadedCheckpoint:
             path = next(path.glob("*.gguf"))
         from turbospark.engine.gguf_loader import load_gguf
 
-        return load_gguf(path, name=name, progress=progress)
+        return load_gguf(path, name=name, progress=progress, dtype=dtype)
     from turbospark.engine.hf_loader import load_hf_folder
 
-    return load_hf_folder(path, name=name, progress=progress)
+    return load_hf_folder(path, name=name, progress=progress, dtype=dtype)

@@ -441,3 +441,11 @@ def test_dtype_option_dequantizes_straight_to_bfloat16(tmp_path):
     for name, values in expected.items():
         assert ckpt.tensors[name].dtype == torch.bfloat16
         assert torch.equal(ckpt.tensors[name], torch.from_numpy(values).to(torch.bfloat16)), name
+
+
+def test_loading_leaves_the_thread_setting_alone(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    before = torch.get_num_threads()
+    load_checkpoint(str(path), progress=True)
+    assert torch.get_num_threads() == before

@@ -22,6 +22,7 @@ from turbospark.toolcalls.stream import (
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
 CALL_ID = "[CALL_ID]"
+MAX_HEADER = 96
 _NAME = re.compile(r"\s*([\w.\-]+)\s*(?:\[CALL_ID\]\s*\w*\s*)?$")
 
 
@@ -37,10 +38,11 @@ class MistralParser(StreamToolParser):
         if stripped[0] in "{[":
             end = json_value_end(text, start)
             return Scan.MORE if end is None else end
-        args = text.find(ARGS)
+        # A call's header (name, maybe a call id) is short; the decision only looks at its
+        # first MAX_HEADER characters, so it does not depend on how the text was chunked.
+        args = text.find(ARGS, 0, MAX_HEADER)
         if args < 0:
-            # A name is short and has no spaces; anything else never becomes a call.
-            return Scan.MORE if _NAME.match(text) or len(text) < 64 else len(text)
+            return Scan.MORE if len(text) < MAX_HEADER else Scan.NOT_A_CALL
         i = args + len(ARGS)
         while i < len(text) and text[i].isspace():
             i += 1

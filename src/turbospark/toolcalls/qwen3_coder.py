@@ -79,7 +79,7 @@ class Qwen3CoderParser(StreamToolParser):
         calls: list[RawCall] = []
         blocks = list(_FUNCTION.finditer(body))
         for block in blocks:
-            repairs = []
+            repairs = ["unwrapped"] if marker == FUNCTION else []
             name = block.group(1).strip()
             if not block.group(0).rstrip().endswith(FUNCTION_END):
                 repairs.append("unclosed")

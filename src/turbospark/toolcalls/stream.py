@@ -169,6 +169,7 @@ class StreamToolParser:
         self.at_start = True  # no answer text has come out yet
         self.ws = ""  # trailing whitespace held back: it may only separate calls
         self.after_call = False
+        self.region_ws = ""  # whitespace before the open region: restored if it is not a call
 
     # ---------------------------------------------------------------- family hooks
 
@@ -219,8 +220,8 @@ class StreamToolParser:
             if not stripped or "```".startswith(stripped):
                 return False  # could still open a bare call
             if stripped[0] in "{[" or stripped.startswith("```"):
+                self.region_ws, self.ws = self.ws + buf[: len(buf) - len(stripped)], ""
                 self.marker, self.buf, self.at_start = "", stripped, False
-                self.ws = ""
                 return True
         best: tuple[int, str] | None = None
         for marker in self.markers:
@@ -230,7 +231,7 @@ class StreamToolParser:
         if best is not None:
             at, marker = best
             self._emit_text(out, buf[:at])
-            self.ws = ""  # whitespace before a call only separates
+            self.region_ws, self.ws = self.ws, ""  # whitespace before a call only separates
             self.marker, self.buf = marker, buf[at + len(marker) :]
             self.at_start = False
             return True
@@ -245,8 +246,7 @@ class StreamToolParser:
         if end is Scan.MORE:
             return False
         if end is Scan.NOT_A_CALL:
-            if self.marker:
-                self._emit_text(out, self.marker)
+            self._emit_text(out, self._take_region_ws() + self.marker)
             self.marker = None
             self.at_start = False
             return True
@@ -300,7 +300,7 @@ class StreamToolParser:
             if not bare or (self.bare_is_native and _looks_like_call(region)):
                 self._reject(out, source, "parse", "the call could not be parsed")
             else:
-                self._emit_text(out, source)
+                self._emit_text(out, self._take_region_ws() + source)
             return
         results = [finalize_call(c.name, c.arguments, self.tools, self.config, c.repairs) for c in calls]
         if not any(isinstance(r, CheckedCall) for r in results):
@@ -314,7 +314,11 @@ class StreamToolParser:
             else:
                 self._reject(out, call.raw, result.reason, result.detail)
         self.after_call = True
-        self.ws = ""
+        self.ws = self.region_ws = ""
+
+    def _take_region_ws(self) -> str:
+        ws, self.region_ws = self.region_ws, ""
+        return ws
 
     def _declared(self, name: str) -> bool:
         if name in self.tools:
@@ -344,7 +348,7 @@ class StreamToolParser:
         TOOL_CALLS.inc(outcome="returned_as_text")
         TOOL_CALL_REJECTS.inc(reason=reason)
         self.after_call = False
-        text = self.ws + source
+        text = self.ws + self._take_region_ws() + source
         self.ws = ""
         if text:
             out.append(TextDelta(text))
@@ -360,7 +364,7 @@ def bare_region_end(text: str) -> int | Scan:
     i = 0
     fenced = text.startswith("```")
     if fenced:
-        newline = text.find("\n")
+        newline = text.find("\n", 0, 24)  # only the fence's first line decides
         if newline < 0:
             return Scan.MORE if len(text) < 24 else Scan.NOT_A_CALL
         header = text[3:newline].strip().lower()

@@ -139,6 +139,11 @@ class ThinkingBudget:
         self.closed = False
         self.num_reasoning = 0
         self.num_seen = 0
+        self.start_in_reasoning = start_in_reasoning
+
+    def fork(self) -> ThinkingBudget:
+        """A fresh copy for another sequence (processors hold one sequence's state)."""
+        return ThinkingBudget(self.budget, self.open_id, self.close_id, self.start_in_reasoning)
 
     def __call__(self, generated_ids: Sequence[int], logits: torch.Tensor) -> None:
         for token_id in generated_ids[self.num_seen :]:

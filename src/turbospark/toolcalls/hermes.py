@@ -35,7 +35,7 @@ class HermesParser(StreamToolParser):
 
     def region_end(self, marker: str, text: str) -> int | Scan:
         if marker == "":
-            return bare_region_end(text)
+            return bare_region_end(text, self.json_end)
         close = text.find(CLOSE)
         reopen = text.find(OPEN)
         if reopen >= 0 and (close < 0 or reopen < close):

@@ -29,7 +29,7 @@ class Llama3Parser(StreamToolParser):
 
     def region_end(self, marker: str, text: str) -> int | Scan:
         if marker == "" and text.startswith("```"):
-            return bare_region_end(text)
+            return bare_region_end(text, self.json_end)
         i, last_end = 0, -1
         while True:
             while i < len(text) and text[i].isspace():
@@ -38,7 +38,7 @@ class Llama3Parser(StreamToolParser):
                 return Scan.MORE
             if text[i] not in "{[":
                 return Scan.NOT_A_CALL if last_end < 0 else last_end
-            end = json_value_end(text, i)
+            end = self.json_end(text, i)
             if end is None:
                 return Scan.MORE
             j = end

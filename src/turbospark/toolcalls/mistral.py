@@ -15,7 +15,6 @@ from turbospark.toolcalls.stream import (
     Scan,
     StreamToolParser,
     calls_from_json,
-    json_value_end,
     parse_json_body,
 )
 
@@ -36,7 +35,7 @@ class MistralParser(StreamToolParser):
             return Scan.MORE
         start = len(text) - len(stripped)
         if stripped[0] in "{[":
-            end = json_value_end(text, start)
+            end = self.json_end(text, start)
             return Scan.MORE if end is None else end
         # A call's header (name, maybe a call id) is short; the decision only looks at its
         # first MAX_HEADER characters, so it does not depend on how the text was chunked.
@@ -50,7 +49,7 @@ class MistralParser(StreamToolParser):
             return Scan.MORE
         if text[i] not in "{[":
             return i  # unparseable: parse_region rejects it
-        end = json_value_end(text, i)
+        end = self.json_end(text, i)
         return Scan.MORE if end is None else end
 
     def parse_region(self, marker: str, region: str, complete: bool) -> list[RawCall] | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -74,39 +74,61 @@ def partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def json_value_end(text: str, start: int) -> int | None:
-    """Index just past the object or array that opens at `text[start]`; None if unfinished.
+class JsonScan:
+    """Finds where the object or array opening at `start` ends, resumably: a region grows one
+    token at a time, and rescanning it from its start each time would cost O(n^2).
 
     Counts brackets outside strings only. Single-quoted strings count as strings where a value
     can start, so a tolerant body such as `{'a': 'x}'}` still ends in the right place.
     """
-    depth = 0
-    quote = ""
-    last = ""  # the last non-space character outside strings
-    i, n = start, len(text)
-    while i < n:
-        ch = text[i]
-        if quote:
-            if ch == "\\":
-                i += 2
-                continue
-            if ch == quote:
-                quote = ""
+
+    __slots__ = ("depth", "done", "last", "pos", "quote")
+
+    def __init__(self, start: int) -> None:
+        self.pos = start
+        self.depth = 0
+        self.quote = ""
+        self.last = ""  # the last non-space character outside strings
+        self.done: int | None = None
+
+    def end(self, text: str) -> int | None:
+        """Index just past the value in `text` (which only grows between calls), or None."""
+        if self.done is not None:
+            return self.done
+        i, n = self.pos, len(text)
+        depth, quote, last = self.depth, self.quote, self.last
+        while i < n:
+            ch = text[i]
+            if quote:
+                if ch == "\\":
+                    if i + 1 >= n:
+                        break  # the escaped character has not arrived yet
+                    i += 2
+                    continue
+                if ch == quote:
+                    quote = ""
+                    last = ch
+            elif ch == '"' or (ch == "'" and last in "{[:,"):
+                quote = ch
+            elif ch in "{[":
+                depth += 1
                 last = ch
-        elif ch == '"' or (ch == "'" and last in "{[:,"):
-            quote = ch
-        elif ch in "{[":
-            depth += 1
-            last = ch
-        elif ch in "}]":
-            depth -= 1
-            if depth <= 0:
-                return i + 1
-            last = ch
-        elif not ch.isspace():
-            last = ch
-        i += 1
-    return None
+            elif ch in "}]":
+                depth -= 1
+                last = ch
+                if depth <= 0:
+                    self.done = i + 1
+                    return self.done
+            elif not ch.isspace():
+                last = ch
+            i += 1
+        self.pos, self.depth, self.quote, self.last = i, depth, quote, last
+        return None
+
+
+def json_value_end(text: str, start: int) -> int | None:
+    """Index just past the object or array that opens at `text[start]`; None if unfinished."""
+    return JsonScan(start).end(text)
 
 
 def parse_json_body(text: str, config: GuardrailConfig, repairs: list[str]) -> Any:
@@ -170,6 +192,14 @@ class StreamToolParser:
         self.ws = ""  # trailing whitespace held back: it may only separate calls
         self.after_call = False
         self.region_ws = ""  # whitespace before the open region: restored if it is not a call
+        self.scans: dict[int, JsonScan] = {}  # resumable JSON scans over the open region
+
+    def json_end(self, text: str, start: int) -> int | None:
+        """`json_value_end` over the open region, resumed from where the last call stopped."""
+        scan = self.scans.get(start)
+        if scan is None:
+            scan = self.scans[start] = JsonScan(start)
+        return scan.end(text)
 
     # ---------------------------------------------------------------- family hooks
 
@@ -201,6 +231,7 @@ class StreamToolParser:
         if self.marker is not None:
             marker, region = self.marker, self.buf
             self.marker, self.buf = None, ""
+            self.scans.clear()
             if marker == "" and not region.strip():
                 pass
             else:
@@ -245,6 +276,7 @@ class StreamToolParser:
         end = self.region_end(self.marker, self.buf)
         if end is Scan.MORE:
             return False
+        self.scans.clear()  # the region is over: its buffer is about to be cut
         if end is Scan.NOT_A_CALL:
             self._emit_text(out, self._take_region_ws() + self.marker)
             self.marker = None
@@ -359,7 +391,7 @@ def _looks_like_call(region: str) -> bool:
     return '"name"' in region or "'name'" in region
 
 
-def bare_region_end(text: str) -> int | Scan:
+def bare_region_end(text: str, json_end: Callable[[str, int], int | None] = json_value_end) -> int | Scan:
     """End of a bare JSON call at the answer start: `{...}`, `[...]` or a fenced one."""
     i = 0
     fenced = text.startswith("```")
@@ -377,7 +409,7 @@ def bare_region_end(text: str) -> int | Scan:
         return Scan.MORE
     if text[i] not in "{[":
         return Scan.NOT_A_CALL
-    end = json_value_end(text, i)
+    end = json_end(text, i)
     if end is None:
         return Scan.MORE
     if fenced:

@@ -347,7 +347,12 @@ class GrammarProcessor:
 
 
 def make_matcher(grammar: str, tokenizer: Tokenizer, vocab_size: int, param: str) -> llguidance.LLMatcher:
-    import llguidance
+    try:
+        import llguidance
+    except ImportError as exc:  # an optional dependency: only constrained requests need it
+        raise invalid(
+            "this server cannot enforce output formats: install turbospark[grammar] (llguidance)", param
+        ) from exc
 
     ll = ll_tokenizer(tokenizer, vocab_size)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll)

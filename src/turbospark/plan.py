@@ -38,7 +38,9 @@ class Plan:
     def config_for_choice(self, index: int) -> GenerationConfig:
         """A fresh config per choice: choices of one seeded request differ but reproduce."""
         seed = None if self.config.seed is None else self.config.seed + index
-        return replace(self.config, seed=seed, processors=list(self.config.processors))
+        # Processors hold one sequence's state: each choice gets fresh copies of them.
+        processors = [getattr(p, "fork", lambda p=p: p)() for p in self.config.processors]
+        return replace(self.config, seed=seed, processors=processors)
 
 
 def template_messages(messages: list[Message]) -> list[dict[str, Any]]:

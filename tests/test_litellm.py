@@ -113,10 +113,20 @@ def test_ollama_chat_options_and_async(litellm: ModuleType) -> None:
             top_p=0.9,
             seed=1,
             stop=["four"],
-            response_format={"type": "json_object"},
         )
         assert cut.choices[0].message.content == "one"
         assert cut.choices[0].finish_reason == "length"
+
+        # response_format reaches the server as Ollama's `format` and is enforced by the grammar:
+        # the scripted reply is not JSON, so the mask turns it into JSON.
+        shaped = litellm.completion(
+            model="ollama_chat/scripted",
+            api_base=server.url,
+            messages=ASK,
+            max_tokens=3,
+            response_format={"type": "json_object"},
+        )
+        assert str(shaped.choices[0].message.content).startswith("{")
 
         async def run() -> str:
             reply = await litellm.acompletion(model="ollama_chat/scripted", api_base=server.url, messages=ASK)

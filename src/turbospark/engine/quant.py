@@ -1,0 +1,103 @@
+"""Weight-only quantization of the model's `Linear` layers, done once after loading.
+
+- "int8": symmetric per-output-channel int8, run by `aten._weight_int8pack_mm` (x stays in the
+  activation dtype; bf16 activations are the fast path on CPU).
+- "int4": asymmetric int4 in groups of `group_size` input channels, packed by
+  `aten._convert_weight_to_int4pack_for_cpu` and run by `aten._weight_int4pack_mm_for_cpu`.
+
+Embeddings stay float: a lookup reads one row per token, so quantizing them saves no time.
+The float path is the numerics reference; tests bound how far each quantized path drifts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from turbospark.engine.layers import Linear
+
+QUANT_MODES = ("int8", "int4")
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) float -> int8 (out, in) and per-row scales (out,) float32."""
+    w = weight.float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # (out,)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) float -> codes (out, in) int32 in [0, 15] and scales_and_zeros (in / group, out, 2).
+
+    Dequantized weight = (code - 8) * scale + zero, per group of `group_size` input channels.
+    """
+    out_features, in_features = weight.shape
+    w = weight.float().reshape(out_features, in_features // group_size, group_size)
+    w_min = w.amin(dim=-1, keepdim=True)
+    w_max = w.amax(dim=-1, keepdim=True)
+    scales = ((w_max - w_min) / 15.0).clamp(min=1e-8)  # (out, groups, 1)
+    zeros = w_min + scales * 8.0
+    codes = torch.round((w - w_min) / scales).clamp(0, 15).to(torch.int32).reshape(out_features, in_features)
+    scales_and_zeros = torch.stack([scales.squeeze(-1), zeros.squeeze(-1)], dim=-1)  # (out, groups, 2)
+    return codes, scales_and_zeros.transpose(0, 1).contiguous()
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, linear: Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q, scales = quantize_int8(linear.weight.data)
+        self.weight: torch.Tensor
+        self.scales: torch.Tensor
+        self.bias: torch.Tensor | None
+        self.register_buffer("weight", q)  # (out, in) int8
+        self.register_buffer("scales", scales.to(dtype))  # (out,)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.data.to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, linear: Linear, dtype: torch.dtype, group_size: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.group_size = group_size
+        codes, scales_and_zeros = quantize_int4(linear.weight.data, group_size)
+        self.weight: torch.Tensor
+        self.scales_and_zeros: torch.Tensor
+        self.bias: torch.Tensor | None
+        self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(dtype))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.data.to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group_size, self.scales_and_zeros)
+        return y if self.bias is None else y + self.bias
+
+
+def _int4_group_size(in_features: int, preferred: int) -> int | None:
+    for g in (preferred, 128, 64, 32):
+        if in_features % g == 0:
+            return g
+    return None
+
+
+def quantize_model(model: nn.Module, mode: str, *, group_size: int = 32) -> None:
+    """Replaces every `Linear` in `model` by its quantized form, in place."""
+    if mode not in QUANT_MODES:
+        raise ValueError(f"unknown quantization {mode!r} (choose from {', '.join(QUANT_MODES)})")
+    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, Linear)]
+    for name, linear in targets:
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        dtype = linear.weight.dtype
+        new: nn.Module
+        if mode == "int8":
+            new = Int8Linear(linear, dtype)
+        else:
+            g = _int4_group_size(linear.in_features, group_size)
+            new = Int4Linear(linear, dtype, g) if g is not None else Int8Linear(linear, dtype)
+        setattr(owner, leaf, new)

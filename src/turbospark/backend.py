@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -27,14 +27,14 @@ if TYPE_CHECKING:
     from turbospark.tokenizer import Tokenizer
 
 
-class ReasoningEffort(str, Enum):
+class ReasoningEffort(StrEnum):
     OFF = "off"
     LOW = "low"
     MEDIUM = "medium"
     HIGH = "high"
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     STOP = "stop"  # an EOS id, or a stop string matched above the backend
     LENGTH = "length"  # max_new_tokens or the context ran out
     CANCELLED = "cancelled"  # the cancel flag was set (client gone, or a stop string matched)

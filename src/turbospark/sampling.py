@@ -35,7 +35,9 @@ def apply_penalties(
     if config.repetition_penalty != 1.0 and context_ids:
         ids = torch.tensor(sorted(set(context_ids)), dtype=torch.long)
         picked = logits.index_select(0, ids)
-        picked = torch.where(picked > 0, picked / config.repetition_penalty, picked * config.repetition_penalty)
+        picked = torch.where(
+            picked > 0, picked / config.repetition_penalty, picked * config.repetition_penalty
+        )
         logits.index_copy_(0, ids, picked)
     if (config.presence_penalty or config.frequency_penalty) and generated_ids:
         ids_t = torch.tensor(list(generated_ids), dtype=torch.long)

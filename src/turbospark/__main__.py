@@ -1,0 +1,5 @@
+import sys
+
+from turbospark.cli import main
+
+sys.exit(main())

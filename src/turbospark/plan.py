@@ -1,0 +1,188 @@
+"""The plan step: the one place every request passes through between wire format and engine.
+
+Here, and nowhere else: the model is resolved; the default system prompt (only when the request
+has no system or developer message) and the default reasoning effort are applied; the chat
+template is rendered (or a raw prompt taken); the prompt is counted against the context (too
+long is a 400, never a truncation); and the token-level `GenerationConfig` is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from turbospark.backend import ChatModel, GenerationConfig, ReasoningEffort
+from turbospark.chat_template import CHATML_TEMPLATE, ChatTemplateError, render_chat_template
+from turbospark.errors import invalid
+from turbospark.registry import ModelRegistry
+from turbospark.request import ChatRequest, Message
+
+# Reasoning tokens allowed per effort level when the caller gives no explicit budget.
+THINKING_BUDGETS = {ReasoningEffort.LOW: 512, ReasoningEffort.MEDIUM: 2048, ReasoningEffort.HIGH: 8192}
+
+
+@dataclass(slots=True)
+class Plan:
+    backend: ChatModel
+    request: ChatRequest
+    prompt_text: str
+    prompt_ids: list[int]
+    config: GenerationConfig
+    reasoning: ReasoningEffort
+    chat_template: str | None
+    start_in_reasoning: bool = False  # the generation prompt opened a think block
+    has_reasoning_markup: bool = False  # the model can emit <think> at all
+    thinking_budget: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def config_for_choice(self, index: int) -> GenerationConfig:
+        """A fresh config per choice: choices of one seeded request differ but reproduce."""
+        seed = None if self.config.seed is None else self.config.seed + index
+        return replace(self.config, seed=seed, processors=list(self.config.processors))
+
+
+def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """Internal messages as the OpenAI-shaped dicts Hugging Face chat templates expect."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.content}
+        if m.images:
+            parts: list[dict[str, Any]] = [{"type": "image"} for _ in m.images]
+            parts.append({"type": "text", "text": m.content})
+            d["content"] = parts
+        if m.tool_calls:
+            d["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": _args_obj(c.arguments)},
+                }
+                for c in m.tool_calls
+            ]
+        if m.role == "tool":
+            if m.tool_call_id:
+                d["tool_call_id"] = m.tool_call_id
+            if m.name:
+                d["name"] = m.name
+        if m.reasoning:
+            d["reasoning_content"] = m.reasoning
+        out.append(d)
+    return out
+
+
+def _args_obj(arguments: str) -> Any:
+    import json
+
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+def template_tools(request: ChatRequest) -> list[dict[str, Any]]:
+    return [
+        {
+            "type": "function",
+            "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
+        }
+        for t in request.tools
+    ]
+
+
+def _with_default_system(messages: list[Message], system: str | None) -> list[Message]:
+    if system is None or any(m.role in ("system", "developer") for m in messages):
+        return messages
+    return [Message(role="system", content=system), *messages]
+
+
+def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
+    backend = registry.resolve(request.model)
+    tokenizer = backend.tokenizer
+    effort = request.reasoning_effort or backend.default_reasoning()
+    template = tokenizer.chat_template or CHATML_TEMPLATE
+    think_id = tokenizer.token_to_id("<think>")
+    has_reasoning = think_id is not None or "<think>" in template
+
+    if request.images() and backend.vision() is None:
+        raise invalid(
+            f"model {backend.model_id!r} cannot read images: it has no vision tower; send text only "
+            "or choose a vision model",
+            "messages",
+        )
+
+    if request.prompt is not None:
+        prompt_text = request.prompt
+        prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=request.add_special_tokens)
+    else:
+        messages = _with_default_system(request.messages, backend.default_system())
+        tools = template_tools(request) if request.tools else None
+        try:
+            prompt_text = render_chat_template(
+                template,
+                template_messages(messages),
+                tools=tools,
+                add_generation_prompt=True,
+                bos_token=tokenizer.bos_token,
+                eos_token=tokenizer.eos_token,
+                enable_thinking=effort is not ReasoningEffort.OFF,
+                reasoning_effort=effort.value,
+            )
+        except ChatTemplateError as exc:
+            raise invalid(f"the model's chat template rejected these messages: {exc}", "messages") from exc
+        prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
+
+    if not prompt_ids:
+        raise invalid("the prompt is empty after rendering", "messages")
+    num_prompt = len(prompt_ids)
+    if num_prompt >= backend.max_context:
+        raise invalid(
+            f"the prompt is {num_prompt} tokens, which does not fit model {backend.model_id!r}'s context of "
+            f"{backend.max_context} tokens (at least one token must be left for the reply)",
+            "messages",
+        )
+    room = backend.max_context - num_prompt
+    # A max_tokens beyond the context is capped to what is left; running into that cap is
+    # reported as finish reason "length", never as a silent stop.
+    max_new = room if request.max_tokens is None else min(request.max_tokens, room)
+
+    sp = request.sampling
+    for token_id in sp.logit_bias:
+        if not 0 <= token_id < backend.vocab_size:
+            raise invalid(
+                f"logit_bias token id {token_id} is outside the vocabulary (0..{backend.vocab_size - 1})",
+                "logit_bias",
+            )
+    config = GenerationConfig(
+        max_new_tokens=max_new,
+        stop_token_ids=tokenizer.eos_token_ids,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        min_p=sp.min_p,
+        repetition_penalty=sp.repetition_penalty,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        logit_bias=dict(sp.logit_bias),
+        seed=sp.seed,
+        num_top_logprobs=(sp.top_logprobs if sp.logprobs else None),
+    )
+    start_in_reasoning = has_reasoning and prompt_text.rstrip().endswith("<think>")
+    budget = request.thinking_budget
+    if budget is None and effort is not ReasoningEffort.OFF:
+        budget = THINKING_BUDGETS.get(effort)
+    plan = Plan(
+        backend=backend,
+        request=request,
+        prompt_text=prompt_text,
+        prompt_ids=prompt_ids,
+        config=config,
+        reasoning=effort,
+        chat_template=template,
+        start_in_reasoning=start_in_reasoning,
+        has_reasoning_markup=has_reasoning,
+        thinking_budget=budget if has_reasoning else None,
+    )
+    from turbospark.grammar import processors_for_plan  # grammar imports Plan for its types
+
+    plan.config.processors.extend(processors_for_plan(plan))
+    return plan

@@ -1,0 +1,101 @@
+"""The one internal chat request every wire format parses into.
+
+Each API module (OpenAI, Anthropic, Ollama, Responses) validates its body once and builds a
+`ChatRequest`; nothing past this point knows which API a request came in on. Tool-call
+arguments are kept as JSON text, the canonical form every API can render from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal
+
+from turbospark.backend import ReasoningEffort, RequestImage
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+@dataclass(slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text of an object
+
+
+@dataclass(slots=True)
+class Message:
+    role: Role
+    content: str = ""
+    images: list[RequestImage] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None
+    name: str | None = None  # the tool's name on a tool message
+    reasoning: str | None = None  # an assistant turn's earlier thinking
+
+
+@dataclass(slots=True)
+class Tool:
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool = False
+
+
+class ToolChoiceMode(StrEnum):
+    AUTO = "auto"
+    NONE = "none"
+    REQUIRED = "required"  # OpenAI "required", Anthropic "any"
+    NAMED = "named"  # one specific tool
+
+
+@dataclass(slots=True)
+class ToolChoice:
+    mode: ToolChoiceMode = ToolChoiceMode.AUTO
+    name: str | None = None
+
+
+@dataclass(slots=True)
+class ResponseFormat:
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    schema: dict[str, Any] | None = None
+    name: str | None = None
+    strict: bool = False
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    model: str
+    messages: list[Message]
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None  # None: as much as the context allows
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    n: int = 1
+    reasoning_effort: ReasoningEffort | None = None  # None: the backend's default
+    thinking_budget: int | None = None  # max reasoning tokens, when the caller set one
+    # A raw prompt skips the chat template (OpenAI /v1/completions, Ollama raw generate).
+    prompt: str | None = None
+    add_special_tokens: bool = True
+
+    def images(self) -> list[RequestImage]:
+        return [img for m in self.messages for img in m.images]

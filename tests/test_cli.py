@@ -1,0 +1,90 @@
+"""`turbospark serve` as a user starts it: a subprocess on loopback, health, defaults from flags."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from turbospark.testing import free_port
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+
+def spawn(*args: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "turbospark", "serve", "--port", str(port), "--log-level", "warning", *args]
+    proc = subprocess.Popen(
+        cmd, env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"}, stderr=subprocess.PIPE
+    )
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else "server exited"
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("server never became healthy")
+
+
+@pytest.fixture
+def served(request: pytest.FixtureRequest) -> Iterator[str]:
+    proc, url = spawn(*request.param)
+    try:
+        wait_healthy(url, proc)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        if proc.stderr:
+            proc.stderr.close()
+
+
+@pytest.mark.parametrize("served", [["--model", "scripted", "--system", "Answer in French."]], indirect=True)
+def test_serve_scripted_with_default_system(served: str) -> None:
+    with openai.OpenAI(base_url=served + "/v1", api_key="x", max_retries=0) as client:
+        reply = client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "hi"}])
+        assert reply.choices[0].message.content and "scripted demo" in reply.choices[0].message.content
+        health = httpx.get(served + "/health").json()
+        assert health["status"] == "ok" and health["models"] == ["scripted"]
+
+
+def test_bad_model_spec_exits_with_its_reason(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.gguf"
+    proc, _ = spawn("--model", str(missing))
+    try:
+        assert proc.wait(timeout=60) != 0
+        assert proc.stderr is not None
+        assert "nope.gguf" in proc.stderr.read().decode()
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stderr:
+            proc.stderr.close()
+
+
+def test_terminal_chat_streams_replies() -> None:
+    cmd = [sys.executable, "-m", "turbospark", "chat", "--model", "scripted"]
+    done = subprocess.run(
+        cmd,
+        input=b"hello\n/reset\nagain\n/quit\n",
+        capture_output=True,
+        timeout=60,
+        env={"PYTHONPATH": str(SRC)},
+    )
+    out = done.stdout.decode()
+    assert done.returncode == 0, done.stderr.decode()
+    assert out.count("scripted demo model") == 2
+    assert out.startswith("turbospark chat with scripted")

@@ -94,7 +94,9 @@ def reference_model(config: dict[str, Any], seed: int = 0, init_std: float = 0.0
     return model
 
 
-def checkpoint(config: dict[str, Any], seed: int = 0, init_std: float = 0.02) -> tuple[dict[str, Any], dict[str, torch.Tensor], Any]:
+def checkpoint(
+    config: dict[str, Any], seed: int = 0, init_std: float = 0.02
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], Any]:
     """(config, tensors, reference) the way the loader hands them over: HF names, float."""
     ref = reference_model(config, seed, init_std)
     tensors = {k: v.detach().clone() for k, v in ref.state_dict().items()}

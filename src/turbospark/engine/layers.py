@@ -153,19 +153,18 @@ def fuse_linears(parts: Sequence[Linear]) -> Linear:
     fused = Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=any(has_bias))
     fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
     if fused.bias is not None:
-        biases = [
-            p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in parts
-        ]
+        biases = [p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in parts]
         fused.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
     return fused
 
 
 def rope_inv_freq(config: Any) -> torch.Tensor:
     """Inverse frequencies (head_dim // 2,), with llama3-style scaling when configured."""
-    dim = config.head_dim
+    dim: int = config.head_dim
     # float32 like the reference implementation, so positions far out rotate identically
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    scaling = config.rope_scaling or {}
+    theta = float(config.rope_theta)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    scaling: dict[str, Any] = config.rope_scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "llama3":
         factor = float(scaling["factor"])
@@ -248,7 +247,9 @@ def paged_attention(
             continue
         ks, vs = _context(k_cache, v_cache, span)  # (num_kv_heads, kv_len, head_dim)
         o = F.scaled_dot_product_attention(
-            q[span.query_start : span.query_start + span.query_len].transpose(0, 1),  # (num_heads, query_len, head_dim)
+            q[span.query_start : span.query_start + span.query_len].transpose(
+                0, 1
+            ),  # (num_heads, query_len, head_dim)
             ks,
             vs,
             attn_mask=span.mask,
@@ -277,7 +278,9 @@ def _decode_one(
     ks, vs = _context(k_cache, v_cache, span)  # (num_kv_heads, kv_len, head_dim)
     num_kv_heads, _, head_dim = ks.shape
     qg = q.reshape(1, num_kv_heads, -1, head_dim)  # (1, num_kv_heads, group, head_dim)
-    o = F.scaled_dot_product_attention(qg, ks[None], vs[None], scale=scale)  # (1, num_kv_heads, group, head_dim)
+    o = F.scaled_dot_product_attention(
+        qg, ks[None], vs[None], scale=scale
+    )  # (1, num_kv_heads, group, head_dim)
     return o.view(1, -1)  # (1, num_heads * head_dim)
 
 
@@ -303,7 +306,9 @@ def load_weights(
         current = getattr(owner, leaf)
         src = tensors[name]
         if tuple(src.shape) != tuple(current.shape):
-            raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(current.shape)}")
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(current.shape)}"
+            )
         # .to() is a no-op (no copy) when the checkpoint is already in dtype on device
         value = src.detach().to(device=device, dtype=dtype).contiguous()
         setattr(owner, leaf, nn.Parameter(value, requires_grad=False))

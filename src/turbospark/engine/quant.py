@@ -56,7 +56,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.data.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+        y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
         return y if self.bias is None else y + self.bias
 
 
@@ -74,7 +74,9 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.data.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group_size, self.scales_and_zeros)
+        y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.weight, self.group_size, self.scales_and_zeros
+        )
         return y if self.bias is None else y + self.bias
 
 

@@ -93,7 +93,9 @@ class ModelRunner:
             seq.num_cached += len(new_ids)
         return logits
 
-    def prefill(self, seq: SequenceState, prompt_ids: Sequence[int], cancel: CancelFlag) -> torch.Tensor | None:
+    def prefill(
+        self, seq: SequenceState, prompt_ids: Sequence[int], cancel: CancelFlag
+    ) -> torch.Tensor | None:
         """Feeds the prompt in chunks; logits (vocab,) after it, or None if cancelled between chunks."""
         logits = None
         for start in range(0, len(prompt_ids), self.prefill_chunk_size):
@@ -113,7 +115,9 @@ class ModelRunner:
         """One request, start to finish, through the sequential decode loop."""
         seq = SequenceState()
         try:
-            return run_decode_loop(_SequenceProducer(self, seq), prompt_ids, config, self.max_context, cancel, on_progress)
+            return run_decode_loop(
+                _SequenceProducer(self, seq), prompt_ids, config, self.max_context, cancel, on_progress
+            )
         finally:
             self.release(seq)
 

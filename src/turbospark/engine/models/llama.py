@@ -95,9 +95,11 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         # q and k rotate together: one set of elementwise ops instead of two
         qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], *rope)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.num_heads + self.num_kv_heads :]
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (num_tokens, num_heads * head_dim)
+        out = paged_attention(
+            q, k, v, k_cache, v_cache, meta, self.scale
+        )  # (num_tokens, num_heads * head_dim)
         return self.o_proj(out)  # type: ignore[no-any-return]
 
 
@@ -165,6 +167,7 @@ class CausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
             layer.self_attn.finalize()
             layer.mlp.finalize()
 

@@ -101,7 +101,9 @@ class Attention(nn.Module):
         q = apply_rotary(self.q_norm(qkv[:, : self.num_heads]), *rope)
         k = apply_rotary(self.k_norm(qkv[:, self.num_heads : self.num_heads + self.num_kv_heads]), *rope)
         v = qkv[:, self.num_heads + self.num_kv_heads :]
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (num_tokens, num_heads * head_dim)
+        out = paged_attention(
+            q, k, v, k_cache, v_cache, meta, self.scale
+        )  # (num_tokens, num_heads * head_dim)
         return self.o_proj(out)  # type: ignore[no-any-return]
 
 
@@ -169,6 +171,7 @@ class CausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
             layer.self_attn.finalize()
             layer.mlp.finalize()
 

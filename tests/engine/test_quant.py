@@ -1,8 +1,8 @@
 """Weight-only int8 / int4 against the float path.
 
-Bounds, measured on these tiny models and stated here: int8 logits stay within 2% of the
-logit range of the float path, int4 within 10%; with logits that have real margins (weights
-drawn with std 0.1) greedy decoding of 20 tokens is identical to the float path for int8.
+Bounds, measured on these tiny models and stated here: int8 logits stay within 2% (3% with
+bf16 activations) of the float path's logit range, int4 within 10%; where greedy decoding is
+stable (see `successor_checkpoint`) int8 gives the same 20 greedy tokens as the float path.
 """
 
 from __future__ import annotations
@@ -88,15 +88,30 @@ def greedy_path(model, prompt: list[int], n: int) -> tuple[list[int], float]:
     return tokens, min(margins)
 
 
-# Random tiny models are chaotic: most have top-2 margins of a few hundredths somewhere in 20
-# steps, which any quantization can flip. These two (found by search) keep every margin above
-# 0.5, which is what "stable" means here; the test checks that before comparing.
-@pytest.mark.parametrize(("family", "seed"), [("llama", 0), ("qwen3", 5)])
-def test_int8_greedy_equals_float_greedy(family: str, seed: int) -> None:
-    cfg, tensors, _ = checkpoint(FAMILIES[family], seed=seed, init_std=1.0)
+def successor_checkpoint(family: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Random layers over an embedding / lm_head pair that maps each token to a fixed successor.
+
+    Random tiny models are chaotic: most meet a top-2 margin of a few hundredths within 20
+    steps, which any rounding flips. Here the residual stream is dominated by the current
+    token's embedding and lm_head row perm[i] is embedding i, so the next token is perm[current]
+    with margins of tens of logits, while every layer (and its quantization noise) still runs.
+    """
+    cfg, tensors, _ = checkpoint(FAMILIES[family])
+    assert not cfg["tie_word_embeddings"]
+    gen = torch.Generator().manual_seed(11)
+    embed = torch.randn(cfg["vocab_size"], cfg["hidden_size"], generator=gen)
+    perm = torch.randperm(cfg["vocab_size"], generator=gen)
+    lm_head = torch.empty_like(embed)
+    lm_head[perm] = embed
+    return cfg, {**tensors, "model.embed_tokens.weight": embed, "lm_head.weight": lm_head}
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_int8_greedy_equals_float_greedy(family: str) -> None:
+    cfg, tensors = successor_checkpoint(family)
     prompt = [5, 17, 99, 230, 41, 8]
     expected, margin = greedy_path(build_model(cfg, tensors), prompt, 20)
-    assert margin > 0.5 and len(set(expected)) > 10  # stable, and a real sequence
+    assert margin > 5.0 and len(set(expected)) == 20  # stable, and a real sequence
     for dtype in (torch.float32, torch.bfloat16):
         got, _ = greedy_path(build_model(cfg, tensors, "cpu", dtype, quant="int8"), prompt, 20)
         assert got == expected, dtype

@@ -12,7 +12,7 @@ argument; nothing here keeps per-step state.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,6 +145,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+PrepareLinear = Callable[[nn.Module], nn.Module]
+"""What `finalize` does to each (fused) linear once loaded: a quantizer, or the identity."""
 
 
 def fuse_linears(parts: Sequence[Linear]) -> Linear:
@@ -290,11 +294,14 @@ def load_weights(
     tensors: Mapping[str, torch.Tensor],
     device: torch.device,
     dtype: torch.dtype,
+    linear_dtype: torch.dtype | None,
 ) -> None:
     """Sets each named parameter from the checkpoint tensor of the identical name.
 
     Every name must be present with the model's shape; other checkpoint names (rotary caches,
-    a vision tower, a tied lm_head) are ignored.
+    a vision tower, a tied lm_head) are ignored. Parameters of `Linear` modules are cast to
+    `linear_dtype` (None: kept as the checkpoint has them, for a quantizer to read), the rest
+    to `dtype`. A cast to the dtype a tensor already has is no copy.
     """
     missing = [n for n in names if n not in tensors]
     if missing:
@@ -309,6 +316,6 @@ def load_weights(
             raise ValueError(
                 f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(current.shape)}"
             )
-        # .to() is a no-op (no copy) when the checkpoint is already in dtype on device
-        value = src.detach().to(device=device, dtype=dtype).contiguous()
-        setattr(owner, leaf, nn.Parameter(value, requires_grad=False))
+        target = dtype if not isinstance(owner, Linear) else (linear_dtype or src.dtype)
+        value = src.detach().to(device=device, dtype=target)
+        setattr(owner, leaf, nn.Parameter(value.contiguous(), requires_grad=False))

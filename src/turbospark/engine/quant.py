@@ -87,19 +87,13 @@ def _int4_group_size(in_features: int, preferred: int) -> int | None:
     return None
 
 
-def quantize_model(model: nn.Module, mode: str, *, group_size: int = 32) -> None:
-    """Replaces every `Linear` in `model` by its quantized form, in place."""
-    if mode not in QUANT_MODES:
-        raise ValueError(f"unknown quantization {mode!r} (choose from {', '.join(QUANT_MODES)})")
-    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, Linear)]
-    for name, linear in targets:
-        owner_name, _, leaf = name.rpartition(".")
-        owner = model.get_submodule(owner_name)
-        dtype = linear.weight.dtype
-        new: nn.Module
-        if mode == "int8":
-            new = Int8Linear(linear, dtype)
-        else:
-            g = _int4_group_size(linear.in_features, group_size)
-            new = Int4Linear(linear, dtype, g) if g is not None else Int8Linear(linear, dtype)
-        setattr(owner, leaf, new)
+def quantize_linear(linear: nn.Module, *, mode: str, dtype: torch.dtype, group_size: int = 32) -> nn.Module:
+    """The quantized replacement for one float `Linear`; `dtype` is the activation dtype."""
+    assert isinstance(linear, Linear)
+    if mode == "int8":
+        return Int8Linear(linear, dtype)
+    if mode == "int4":
+        g = _int4_group_size(linear.in_features, group_size)
+        # a layer whose width no group size divides falls back to int8
+        return Int4Linear(linear, dtype, g) if g is not None else Int8Linear(linear, dtype)
+    raise ValueError(f"unknown quantization {mode!r} (choose from {', '.join(QUANT_MODES)})")

@@ -1,13 +1,14 @@
 """Model families, one module per Hugging Face `model_type`, and `build_model`.
 
 Adding a family is adding one file `<model_type>.py` here that defines `ModelConfig` (with
-`from_dict`) and `CausalLM(config, max_positions)` with `checkpoint_names()`, `finalize()` and
+`from_dict`) and `CausalLM(config, max_positions)` with `checkpoint_names()`, `finalize(prepare)` and
 `forward(input_ids, positions, meta, kv_cache) -> logits (num_seqs, vocab)`. The registry is the
 set of modules in this package, so nothing else needs editing.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 from collections.abc import Mapping
@@ -16,7 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from turbospark.engine.kv_cache import KVCache
-from turbospark.engine.layers import AttentionMetadata, load_weights
+from turbospark.engine.layers import AttentionMetadata, PrepareLinear, load_weights
 
 
 class ArchConfig(Protocol):
@@ -74,13 +75,15 @@ def build_model(
     cfg = family.ModelConfig.from_dict(dict(config))
     device = torch.device(device)
     model = family.CausalLM(cfg, max_positions or cfg.max_position_embeddings)
-    load_weights(model, model.checkpoint_names(), tensors, device, dtype)
+    # quantized linears are read from the checkpoint's own floats: no full-size cast copy first
+    load_weights(model, model.checkpoint_names(), tensors, device, dtype, dtype if quant is None else None)
     model.rotary.to(device=device, dtype=dtype)
     model.dtype = dtype
-    model.finalize()
+    prepare: PrepareLinear = lambda linear: linear  # noqa: E731
     if quant is not None:
-        from turbospark.engine.quant import quantize_model
+        from turbospark.engine.quant import quantize_linear
 
-        quantize_model(model, quant)
+        prepare = functools.partial(quantize_linear, mode=quant, dtype=dtype)
+    model.finalize(prepare)
     model.eval()
     return model  # type: ignore[no-any-return]

@@ -19,6 +19,7 @@ from turbospark.engine.layers import (
     AttentionMetadata,
     Embedding,
     Linear,
+    PrepareLinear,
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
@@ -75,11 +76,12 @@ class Attention(nn.Module):
         self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.o_proj: nn.Module = Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         self.qkv_proj: nn.Module
 
-    def finalize(self) -> None:
-        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+    def finalize(self, prepare: PrepareLinear) -> None:
+        self.qkv_proj = prepare(fuse_linears([self.q_proj, self.k_proj, self.v_proj]))
+        self.o_proj = prepare(self.o_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
@@ -110,11 +112,12 @@ class MLP(nn.Module):
         self.intermediate_size = inter
         self.gate_proj = Linear(hidden, inter, bias=bias)
         self.up_proj = Linear(hidden, inter, bias=bias)
-        self.down_proj = Linear(inter, hidden, bias=bias)
+        self.down_proj: nn.Module = Linear(inter, hidden, bias=bias)
         self.gate_up_proj: nn.Module
 
-    def finalize(self) -> None:
-        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
+    def finalize(self, prepare: PrepareLinear) -> None:
+        self.gate_up_proj = prepare(fuse_linears([self.gate_proj, self.up_proj]))
+        self.down_proj = prepare(self.down_proj)
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,7 +158,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Model(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head: nn.Module = Linear(config.hidden_size, config.vocab_size)
         self.rotary = RotaryEmbedding(config, max_positions)
 
     def checkpoint_names(self) -> list[str]:
@@ -163,13 +166,16 @@ class CausalLM(nn.Module):
         names = [n for n, _ in self.named_parameters()]
         return [n for n in names if not (self.config.tie_word_embeddings and n == "lm_head.weight")]
 
-    def finalize(self) -> None:
+    def finalize(self, prepare: PrepareLinear) -> None:
+        """Ties the lm_head, fuses projections, and hands every linear to `prepare` (a cast or
+        a quantizer), layer by layer so only one layer's float copies exist at a time."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = prepare(self.lm_head)
         for layer in self.model.layers:
             assert isinstance(layer, DecoderLayer)
-            layer.self_attn.finalize()
-            layer.mlp.finalize()
+            layer.self_attn.finalize(prepare)
+            layer.mlp.finalize(prepare)
 
     def forward(
         self,

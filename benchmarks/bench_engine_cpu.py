@@ -27,7 +27,7 @@ import torch
 
 from turbospark.backend import NEVER_CANCEL, GenerationConfig
 from turbospark.engine.models import build_model
-from turbospark.engine.runner import ModelRunner
+from turbospark.engine.runner import ModelRunner, SequenceState
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT_TEXT = (
@@ -89,6 +89,7 @@ class Engine:
     run: Callable[[], tuple[float, float, list[int]]]  # one measured generation: prefill s, decode s, ids
     startup_s: float
     bound_tok_s: float | None = None
+    logits_along: Callable[[list[int]], torch.Tensor] | None = None  # teacher-forced logits
     prefill: list[float] = field(default_factory=list)  # tok/s per run
     decode: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
@@ -137,8 +138,16 @@ def turbospark_engine(
         result = runner.generate(prompt, gen, NEVER_CANCEL, lambda e: None)
         return result.prefill_seconds, result.decode_seconds, result.token_ids
 
+    def logits_along(tokens: list[int]) -> torch.Tensor:
+        """Logits (len(tokens), vocab) predicting each of `tokens` after the prompt and its prefix."""
+        seq = SequenceState()
+        rows = [runner.forward([(seq, prompt)])[0]]
+        rows += [runner.forward([(seq, [t])])[0] for t in tokens[:-1]]
+        runner.release(seq)
+        return torch.stack(rows)
+
     bound = bw * 1e9 / bytes_per_token(model, len(prompt) + new_tokens // 2)  # type: ignore[arg-type]
-    return Engine(f"turbospark {variant}", run, startup, bound)
+    return Engine(f"turbospark {variant}", run, startup, bound, logits_along)
 
 
 def transformers_engine(
@@ -276,6 +285,22 @@ def main() -> None:
         prefill = f"{max(r.prefill):.0f} / {statistics.median(r.prefill):.0f}"
         decode = f"{max(r.decode):.1f} / {statistics.median(r.decode):.1f}"
         print(f"{r.name:<30}{prefill:>16}{decode:>16}{ratio:>11}{bound:>10}{r.startup_s:>11.2f}{agree}")
+    float_engine = next((e for e in engines if e.name == "turbospark float32"), None)
+    if float_engine is not None and float_engine.logits_along is not None:
+        # quality: every variant scored on the float32 path's own 128 tokens (teacher forcing),
+        # which unlike free-running agreement does not stop counting at the first divergence
+        ref = torch.log_softmax(float_engine.logits_along(float_engine.tokens), dim=-1)
+        print(
+            "\nteacher-forced on the float32 output: top-1 agreement with float32,"
+            " mean KL(float32 || variant)"
+        )
+        for e in engines:
+            if e.logits_along is None or e is float_engine:
+                continue
+            got = torch.log_softmax(e.logits_along(float_engine.tokens), dim=-1)
+            agree = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
+            kl = float((ref.exp() * (ref - got)).sum(-1).mean())
+            print(f"  {e.name:<28} top-1 {agree * 100:5.1f}%   KL {kl:.4f} nats")
     if args.show_text:
         for r in results:
             print(f"--- {r.name}: {decode_text(r.tokens)!r}")

@@ -13,7 +13,14 @@ from tiny_models import FAMILIES, checkpoint
 
 from turbospark.engine.layers import Linear
 from turbospark.engine.models import build_model
-from turbospark.engine.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
+from turbospark.engine.quant import (
+    Int4Linear,
+    Int8Linear,
+    auto_quant,
+    is_on_int4_grid,
+    quantize_int4,
+    quantize_int8,
+)
 from turbospark.engine.runner import ModelRunner, SequenceState
 
 
@@ -115,6 +122,22 @@ def test_int8_greedy_equals_float_greedy(family: str) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         got, _ = greedy_path(build_model(cfg, tensors, "cpu", dtype, quant="int8"), prompt, 20)
         assert got == expected, dtype
+
+
+def test_auto_picks_int4_only_for_weights_on_a_4bit_grid() -> None:
+    cfg, tensors, _ = checkpoint(FAMILIES["llama"])
+    assert auto_quant(tensors) == "int8"  # float weights: 32 distinct values per group
+    on_grid = dict(tensors)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.gate_proj.weight"):
+        codes, sz = quantize_int4(tensors[name], 32, torch.float32)  # what a Q4_1 file dequantizes to
+        sz = sz.transpose(0, 1)
+        out_features = codes.shape[0]
+        on_grid[name] = ((codes.view(out_features, -1, 32) - 8) * sz[..., :1] + sz[..., 1:]).view(codes.shape)
+        assert is_on_int4_grid(on_grid[name])
+    assert auto_quant(on_grid) == "int4"
+    model = build_model(cfg, on_grid, "cpu", torch.bfloat16, quant="int4")
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, Int4Linear)  # type: ignore[attr-defined]
+    assert isinstance(model.lm_head, Int8Linear)  # type: ignore[attr-defined]
 
 
 def test_unknown_quant_mode_is_refused() -> None:

@@ -6,9 +6,11 @@ itself already steps many sequences at once. Images are refused by name: none of
 here has a vision tower.
 
 Picking the numerics (`load_backend`): `device` is "cpu" or "cuda[:n]"; `quant` is "int8" or
-"int4" (weight-only, CPU kernels; "auto" picks int8 on CPU, none elsewhere) or None for float
-weights; `dtype` is the activation / float-weight dtype, by default bfloat16 with a quantized
-path (the fast one for those kernels), float32 for a float path on CPU and bfloat16 on CUDA.
+"int4" (weight-only, CPU kernels), None for float weights, or "auto": on CPU int4 when the
+checkpoint's weights already lie on a 4-bit grid (a Q4 GGUF, so int4 loses nothing) and int8
+otherwise; no quantization elsewhere. `dtype` is the activation / float-weight dtype, by default
+bfloat16 with a quantized path (the fast one for those kernels), float32 for a float path on
+CPU and bfloat16 on CUDA.
 """
 
 from __future__ import annotations
@@ -97,10 +99,11 @@ class RealChatModel(BackendDefaults):
 
 
 def resolve_numerics(device: str, dtype: str | None, quant: str | None) -> tuple[torch.dtype, str | None]:
-    """The (activation dtype, quant mode) `load_backend` uses for these settings."""
+    """The (activation dtype, quant mode) `load_backend` uses; "auto" stays "auto" on CPU (it
+    is settled by the weights, see `turbospark.engine.quant.auto_quant`)."""
     is_cpu = torch.device(device).type == "cpu"
-    if quant == "auto":
-        quant = "int8" if is_cpu else None
+    if quant == "auto" and not is_cpu:
+        quant = None
     if quant is not None and not is_cpu:
         raise ValueError(f"quantization {quant!r} runs on CPU only for now")
     if dtype is None:
@@ -130,6 +133,10 @@ def load_backend(
     ckpt = load_checkpoint(spec, progress=progress)
     model_max = int(ckpt.config.get("max_position_embeddings", DEFAULT_MAX_CONTEXT))
     context = min(max_context or DEFAULT_MAX_CONTEXT, model_max)
+    if quant == "auto":
+        from turbospark.engine.quant import auto_quant
+
+        quant = auto_quant(ckpt.tensors)
     model = build_model(ckpt.config, ckpt.tensors, device, torch_dtype, quant=quant, max_positions=context)
     tokenizer = Tokenizer(ckpt.tokenizer, ckpt.tokenizer_config)
     name = ckpt.name

@@ -147,8 +147,9 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-PrepareLinear = Callable[[nn.Module], nn.Module]
-"""What `finalize` does to each (fused) linear once loaded: a quantizer, or the identity."""
+PrepareLinear = Callable[[nn.Module, str], nn.Module]
+"""What `finalize` does to each (fused) linear once loaded, given its role ("qkv_proj",
+"lm_head", ...): a quantizer, or the identity."""
 
 
 def fuse_linears(parts: Sequence[Linear]) -> Linear:

@@ -79,7 +79,7 @@ def build_model(
     load_weights(model, model.checkpoint_names(), tensors, device, dtype, dtype if quant is None else None)
     model.rotary.to(device=device, dtype=dtype)
     model.dtype = dtype
-    prepare: PrepareLinear = lambda linear: linear  # noqa: E731
+    prepare: PrepareLinear = lambda linear, role: linear  # noqa: E731
     if quant is not None:
         from turbospark.engine.quant import quantize_linear
 

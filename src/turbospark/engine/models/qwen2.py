@@ -81,8 +81,8 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Module
 
     def finalize(self, prepare: PrepareLinear) -> None:
-        self.qkv_proj = prepare(fuse_linears([self.q_proj, self.k_proj, self.v_proj]))
-        self.o_proj = prepare(self.o_proj)
+        self.qkv_proj = prepare(fuse_linears([self.q_proj, self.k_proj, self.v_proj]), "qkv_proj")
+        self.o_proj = prepare(self.o_proj, "o_proj")
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
@@ -117,8 +117,8 @@ class MLP(nn.Module):
         self.gate_up_proj: nn.Module
 
     def finalize(self, prepare: PrepareLinear) -> None:
-        self.gate_up_proj = prepare(fuse_linears([self.gate_proj, self.up_proj]))
-        self.down_proj = prepare(self.down_proj)
+        self.gate_up_proj = prepare(fuse_linears([self.gate_proj, self.up_proj]), "gate_up_proj")
+        self.down_proj = prepare(self.down_proj, "down_proj")
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -172,7 +172,7 @@ class CausalLM(nn.Module):
         a quantizer), layer by layer so only one layer's float copies exist at a time."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.lm_head = prepare(self.lm_head)
+        self.lm_head = prepare(self.lm_head, "lm_head")
         for layer in self.model.layers:
             assert isinstance(layer, DecoderLayer)
             layer.self_attn.finalize(prepare)

@@ -131,6 +131,7 @@ def test_numerics_defaults() -> None:
     import torch
 
     assert resolve_numerics("cpu", None, None) == (torch.float32, None)
+    assert resolve_numerics("cpu", None, "none") == (torch.float32, None)
     assert resolve_numerics("cpu", None, "auto") == (torch.bfloat16, "auto")
     assert resolve_numerics("cpu", "float32", "int8") == (torch.float32, "int8")
     assert resolve_numerics("cuda", None, "auto") == (torch.bfloat16, None)

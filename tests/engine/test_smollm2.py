@@ -65,7 +65,7 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
 
 SERVE_SCRIPT = textwrap.dedent(
     """
-    import json, resource, sys, torch
+    import json, torch
     torch.set_num_threads(2)
     from turbospark.backend import NEVER_CANCEL, GenerationConfig
     from turbospark.engine.backend import load_backend
@@ -77,7 +77,9 @@ SERVE_SCRIPT = textwrap.dedent(
         result = backend.run_completion(
             prompt, GenerationConfig(max_new_tokens=64, temperature=0.0), None, NEVER_CANCEL, lambda e: None
         )
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # VmHWM, not ru_maxrss: ru_maxrss keeps the parent's resident size from before the exec
+    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+    peak_kib = int(status["VmHWM"].split()[0])
     report = {"peak_mib": peak_kib / 1024, "num_prompt": len(prompt), "num_out": len(result.token_ids)}
     print(json.dumps(report))
     """

@@ -146,3 +146,39 @@ def test_sample_leaves_the_callers_logits_alone() -> None:
         [0],
     )
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"temperature": 0.7},
+        {"top_k": 40},
+        {"top_p": 0.9},
+        {"top_p": 0.3, "temperature": 1.3},
+        {"min_p": 0.05},
+        {"top_k": 100, "top_p": 0.95, "min_p": 0.01},
+        {"top_k": 5, "min_p": 0.3},
+        {"top_p": 0.97},  # with flat logits the nucleus outgrows every head: the full-sort path
+    ],
+)
+def test_candidates_keep_what_filter_logits_keeps(kwargs: dict) -> None:
+    from turbospark.sampling import candidates
+
+    gen = torch.Generator().manual_seed(0)
+    for scale in (0.5, 3.0, 10.0):  # flat to peaked distributions
+        logits = torch.randn(5000, generator=gen) * scale
+        config = cfg(**kwargs)
+        reference = torch.softmax(filter_logits(logits, config), dim=-1)
+        ids, probs = candidates(logits, config)
+        assert sorted(ids.tolist()) == kept(filter_logits(logits, config))
+        torch.testing.assert_close(probs, reference[ids], atol=1e-6, rtol=1e-4)
+
+
+def test_sampling_within_top_p_matches_the_renormalized_head() -> None:
+    # p = [0.5, 0.3, 0.15, 0.05] with top_p 0.8 keeps {0, 1} at 0.625 / 0.375
+    config = cfg(temperature=1.0, top_p=0.8)
+    gen = make_generator(5)
+    draws = [sample(logits_of(PROBS), config, gen, [], []).token_id for _ in range(4000)]
+    assert set(draws) == {0, 1}
+    assert abs(draws.count(0) / 4000 - 0.625) < 0.03

@@ -57,7 +57,7 @@ class RealChatModel(BackendDefaults):
     ) -> None:
         self.model_id = model_id
         self._tokenizer = tokenizer
-        self._max_context = min(max_context, model.config.max_position_embeddings)
+        self._max_context = min(max_context, model.config.max_position_embeddings, model.max_positions)
         self._runner = ModelRunner(
             model, max_context=self._max_context, device=device, prefill_chunk_size=prefill_chunk_size
         )

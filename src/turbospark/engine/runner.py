@@ -43,6 +43,7 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
     ) -> None:
         cfg = model.config
+        assert max_context <= model.max_positions, "the model's rotary table is shorter than max_context"
         self.model = model
         self.max_context = max_context
         self.prefill_chunk_size = prefill_chunk_size

@@ -39,6 +39,9 @@ class Model(Protocol):
     @property
     def dtype(self) -> torch.dtype: ...
 
+    @property
+    def max_positions(self) -> int: ...
+
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
     ) -> torch.Tensor: ...

@@ -161,6 +161,7 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
+        self.max_positions = max_positions  # the rotary table's length: no position past it
         self.model = Model(config)
         self.lm_head: nn.Module = Linear(config.hidden_size, config.vocab_size)
         self.rotary = RotaryEmbedding(config, max_positions)

@@ -2,8 +2,13 @@
 
 `sample` applies, in order: logit bias, repetition / presence / frequency penalties, the
 sequence's logits processors (grammar masks, thinking budget), then greedy or temperature +
-top-k + top-p + min-p sampling. Randomness comes only from the `torch.Generator` passed in, so a
+top-k + min-p + top-p sampling. Randomness comes only from the `torch.Generator` passed in, so a
 request seeded the same way samples the same tokens.
+
+`filter_logits` is the plain statement of the filters (masks over the whole vocabulary).
+`candidates` computes the same kept set and probabilities without sorting the vocabulary
+(a 150k-entry sort per token costs more than a small model's decode step), and `sample` draws
+from it with the exponential race: argmax(p / E), E ~ Exp(1), picks i with probability p_i.
 """
 
 from __future__ import annotations
@@ -66,6 +71,47 @@ def filter_logits(logits: torch.Tensor, config: GenerationConfig) -> torch.Tenso
     return logits
 
 
+def candidates(logits: torch.Tensor, config: GenerationConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, probabilities) that `filter_logits` keeps, probabilities renormalized.
+
+    Same filters, same order; only top-k ties at the k-th value differ (exactly k are kept).
+    """
+    scaled = logits / max(config.temperature, 1e-5)
+    vocab = scaled.shape[0]
+    ids: torch.Tensor | None = None  # None: every token, in vocabulary order
+    if config.top_k and 0 < config.top_k < vocab:
+        scaled, ids = torch.topk(scaled, config.top_k)  # sorted, descending
+    probs = torch.softmax(scaled, dim=-1)
+    if config.min_p > 0.0:
+        probs = probs.masked_fill(probs < config.min_p * probs.max(), 0.0)
+        probs = probs / probs.sum()
+    if config.top_p < 1.0:
+        probs, ids = _nucleus(probs, ids, config.top_p)
+    if ids is None:
+        ids = torch.arange(vocab)
+    keep = probs > 0
+    return ids[keep], probs[keep] / probs[keep].sum()
+
+
+def _nucleus(
+    probs: torch.Tensor, ids: torch.Tensor | None, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p over (probs, ids): keeps a token while the mass before it is below top_p."""
+    n = probs.shape[0]
+    k = min(n, 64)
+    while True:
+        # only the head needs sorting once it holds top_p of the mass: everything past it goes
+        top_probs, order = torch.topk(probs, k) if k < n else torch.sort(probs, descending=True)
+        if k == n or float(top_probs.sum()) >= top_p:
+            break
+        k = min(n, k * 8)
+    before = top_probs.cumsum(0) - top_probs
+    kept = before < top_p
+    kept[0] = True
+    top_ids = order if ids is None else ids[order]
+    return top_probs[kept], top_ids[kept]
+
+
 def sample(
     logits: torch.Tensor,
     config: GenerationConfig,
@@ -85,9 +131,10 @@ def sample(
     if config.is_greedy:
         token_id = int(torch.argmax(logits))
     else:
-        filtered = filter_logits(logits, config)
-        probs = torch.softmax(filtered, dim=-1)
-        token_id = int(torch.multinomial(probs, 1, generator=generator))
+        ids, probs = candidates(logits, config)
+        # Exp(1) draws as -log(U): torch's exponential_ is several times slower than rand
+        race = torch.rand(probs.shape, generator=generator).log_().neg_()
+        token_id = int(ids[torch.argmax(probs / race)])
     event = TokenEvent(token_id=token_id)
     if config.num_top_logprobs is not None:
         logprobs = torch.log_softmax(logits, dim=-1)

@@ -1,0 +1,92 @@
+"""Model families, one module per Hugging Face `model_type`, and `build_model`.
+
+Adding a family is adding one file `<model_type>.py` here that defines `ModelConfig` (with
+`from_dict`) and `CausalLM(config, max_positions)` with `checkpoint_names()`, `finalize(prepare)` and
+`forward(input_ids, positions, meta, kv_cache) -> logits (num_seqs, vocab)`. The registry is the
+set of modules in this package, so nothing else needs editing.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+
+from turbospark.engine.kv_cache import KVCache
+from turbospark.engine.layers import AttentionMetadata, PrepareLinear, load_weights
+
+
+class ArchConfig(Protocol):
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+
+
+class Model(Protocol):
+    """What the runner drives. `config` is the family's `ModelConfig`."""
+
+    @property
+    def config(self) -> ArchConfig: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def max_positions(self) -> int: ...
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+    ) -> torch.Tensor: ...
+
+
+def supported_model_types() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+
+
+def _family(model_type: str) -> Any:
+    if model_type not in supported_model_types():
+        raise ValueError(
+            f"model_type {model_type!r} is not supported (supported: {', '.join(supported_model_types())})"
+        )
+    return importlib.import_module(f"{__name__}.{model_type}")
+
+
+def build_model(
+    config: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    quant: str | None = None,
+    max_positions: int | None = None,
+) -> Model:
+    """Builds the family's model from an HF-style config and HF-named float weights.
+
+    `dtype` is the compute (activation) dtype and the dtype float weights are kept in. `quant`
+    is None (float weights), "int8" or "int4" (weight-only; see `turbospark.engine.quant`).
+    `max_positions` bounds the rotary table (default: the config's max_position_embeddings).
+    """
+    family = _family(str(config.get("model_type")))
+    cfg = family.ModelConfig.from_dict(dict(config))
+    device = torch.device(device)
+    model = family.CausalLM(cfg, max_positions or cfg.max_position_embeddings)
+    # quantized linears are read from the checkpoint's own floats: no full-size cast copy first
+    load_weights(model, model.checkpoint_names(), tensors, device, dtype, dtype if quant is None else None)
+    model.rotary.to(device=device, dtype=dtype)
+    model.dtype = dtype
+    prepare: PrepareLinear = lambda linear, role: linear  # noqa: E731
+    if quant is not None:
+        from turbospark.engine.quant import quantize_linear
+
+        prepare = functools.partial(quantize_linear, mode=quant, dtype=dtype)
+    model.finalize(prepare)
+    model.eval()
+    return model  # type: ignore[no-any-return]

@@ -5,7 +5,8 @@
 hands them to the event loop as they are made. When the consumer stops listening (the client
 disconnected, or the caller closed the generator) the cancel flag is set, and the slot is only
 given back once the worker has actually stopped. A `Ping` is yielded whenever nothing arrived for
-`ping_interval` seconds, so SSE APIs can keep idle clients connected during a long prefill.
+`ping_interval` seconds, in the queue or during a long prefill, so SSE APIs can keep idle
+clients connected.
 """
 
 from __future__ import annotations
@@ -39,7 +40,20 @@ async def stream_choice(
     backend = plan.backend
     queue = backend.generation_queue()
     if queue is not None:
-        await queue.acquire()
+        # Waiting in line pings too: a client's idle timeout must not fire while it is queued.
+        slot = asyncio.ensure_future(queue.acquire())
+        try:
+            while not slot.done():
+                await asyncio.wait({slot}, timeout=ping_interval)
+                if not slot.done():
+                    yield Ping()
+            slot.result()  # a full line raises here
+        except BaseException:
+            if not slot.done():
+                slot.cancel()  # the consumer left while in line: acquire() takes it out of the line
+            elif not slot.cancelled() and slot.exception() is None:
+                queue.release()  # the slot arrived just as the consumer left
+            raise
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue[object] = asyncio.Queue()
     cancel = threading.Event()

@@ -1,24 +1,395 @@
 """Token-level constraints for a plan: the processors the decode loop applies before sampling.
 
-Today: the thinking budget. Grammar masks (tool_choice required / named, response formats) are
-added here as processors too, so the engine sees only "edit these logits".
+`processors_for_plan` returns, in order, the thinking budget (`turbospark.reasoning`) and a
+grammar mask when the request needs one:
+
+- `tool_choice` required / named (OpenAI required or a function, Anthropic any or tool): the
+  answer must be one or more calls (several only with `parallel_tool_calls`) in the model
+  family's own call syntax, each naming a declared tool with arguments that fit its schema;
+- `response_format` json_object / json_schema (Ollama `format`, Anthropic
+  `output_config.format` arrive as the same `ResponseFormat`): the answer is that JSON; with
+  tools on auto it may be calls instead.
+
+The grammar engine is llguidance (Earley parser + lexer over the tokenizer's token trie; a mask
+over a 150k vocabulary costs tens of microseconds, see `benchmarks/bench_grammar.py`). The mask
+runs inside the decode loop: each step the processor advances its matcher on the new tokens and
+sets every token the grammar forbids to -inf; once the grammar is complete only EOS is left.
+A think block is left alone: the mask starts after `</think>` (or right away when the model
+may open `<think>` as its first token), so reasoning models reason first and answer in grammar.
+
+Each processor holds one sequence's state; `fork()` gives a fresh copy for another choice
+(`Plan.config_for_choice`), so a batched engine keeps one per sequence.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
+import threading
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
-from turbospark.backend import LogitsProcessor
+import numpy as np
+import torch
+
+from turbospark.backend import LogitsProcessor, ReasoningEffort
+from turbospark.errors import invalid
+from turbospark.metrics import GRAMMAR_REQUESTS
 from turbospark.reasoning import ThinkingBudget
+from turbospark.request import ResponseFormat, Tool, ToolChoiceMode
+from turbospark.toolcalls import ToolFamily, detect_family
 
 if TYPE_CHECKING:
+    import llguidance
+
     from turbospark.plan import Plan
+    from turbospark.tokenizer import Tokenizer
+
+# JSON inside a grammar: flexible but bounded whitespace, so a model cannot spin on spaces, and
+# lenient about schema keywords llguidance does not enforce (format, $schema, ...).
+JSON_OPTIONS: dict[str, Any] = {
+    "whitespace_pattern": r"[\x20\x0A\x09]{0,24}",
+    "lenient": True,
+}
+
+_ll_lock = threading.Lock()
+_ll_tokenizers: dict[tuple[int, int], tuple[Tokenizer, llguidance.LLTokenizer]] = {}
+
+
+def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
+    """llguidance's view of a tokenizer (its token trie), built once per tokenizer (~1 s for 150k)."""
+    import llguidance
+
+    key = (id(tokenizer), vocab_size)
+    with _ll_lock:
+        found = _ll_tokenizers.get(key)
+        if found is not None and found[0] is tokenizer:
+            return found[1]
+        n_vocab = max(vocab_size, tokenizer.vocab_size)
+        built = llguidance.LLTokenizer(
+            tokenizer.hf.to_str(), n_vocab=n_vocab, eos_token=sorted(tokenizer.eos_token_ids)
+        )
+        _ll_tokenizers[key] = (tokenizer, built)
+        return built
+
+
+# ---------------------------------------------------------------- grammars (Lark, llguidance dialect)
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text)
+
+
+def closed_schema(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` wherever properties are declared and it is
+    unset: under a grammar, an open object lets a model invent keys forever (xgrammar's strict
+    mode makes the same choice; OpenAI's strict mode requires it)."""
+    if isinstance(schema, list):
+        return [closed_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_schema(v) if k in _SUBSCHEMA_KEYS else v for k, v in schema.items()}
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_schema(sub) for name, sub in out[key].items()}
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMA_KEYS = frozenset(
+    ("items", "prefixItems", "anyOf", "oneOf", "allOf", "additionalProperties", "not", "if", "then", "else")
+)
+
+
+def _json_rule(schema: dict[str, Any]) -> str:
+    schema = closed_schema(schema)
+    body = {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
+    return "%json " + json.dumps(body)
+
+
+class _Lark:
+    """Builds a Lark grammar; markup that is one token in the vocabulary is matched as that token."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.rules: list[str] = []
+        self.count = 0
+
+    def rule(self, body: str, name: str | None = None) -> str:
+        name = name or f"r{self.count}"
+        self.count += 1
+        self.rules.append(f"{name}: {body}")
+        return name
+
+    def markup(self, text: str) -> str:
+        token_id = self.tokenizer.token_to_id(text)
+        return f"<[{token_id}]>" if token_id is not None else _lit(text)
+
+    def json(self, schema: dict[str, Any]) -> str:
+        return self.rule(_json_rule(schema))
+
+    def text(self) -> str:
+        return "\n".join(self.rules) + "\n"
+
+
+def _params_schema(tool: Tool) -> dict[str, Any]:
+    schema = dict(tool.parameters) if tool.parameters else {}
+    if not schema or ("type" not in schema and "properties" in schema):
+        schema["type"] = "object"
+    return schema
+
+
+def _json_call(g: _Lark, tool: Tool, args_key: str) -> str:
+    head = _lit('{"name": ' + json.dumps(tool.name) + f', "{args_key}": ')
+    return g.rule(f'{head} {g.json(_params_schema(tool))} "}}"')
+
+
+def _xml_call(g: _Lark, tool: Tool) -> str:
+    """Qwen3-coder: `<function=name>` then one `<parameter=key>` block per property."""
+    schema = _params_schema(tool)
+    props = schema.get("properties") or {}
+    required = [k for k in schema.get("required", []) if k in props]
+    optional = [k for k in props if k not in required]
+    parts = [_lit(f"<function={tool.name}>\n")]
+    for key in required + optional:
+        sub = props[key] if isinstance(props[key], dict) else {}
+        # A string is free text that cannot close the parameter early; other types are JSON.
+        value = g.rule(_xml_string(sub)) if sub.get("type") == "string" else g.json(sub)
+        opener, closer = _lit(f"<parameter={key}>\n"), _lit("\n</parameter>\n")
+        block = g.rule(f"{opener} {value} {closer}")
+        parts.append(block if key in required else f"{block}?")
+    parts.append(_lit("</function>"))
+    return g.rule(" ".join(parts))
+
+
+def _xml_string(schema: dict[str, Any]) -> str:
+    """Raw text of a string parameter: never `</` (which would close the parameter early), an
+    enum's values, and the length bounds."""
+    enum = [v for v in schema.get("enum", []) if isinstance(v, str)]
+    if enum:
+        return " | ".join(_lit(v) for v in enum)
+    low, high = schema.get("minLength"), schema.get("maxLength")
+    low = low if isinstance(low, int) and low >= 0 else 0
+    if isinstance(high, int) and high >= low:
+        return f"/[^<]{{{low},{high}}}/"  # bounded: no "<" at all, so the count is exact
+    return f"/([^<]|<[^\\/]){{{low},}}/"
+
+
+def tool_call_grammar(
+    g: _Lark, family: ToolFamily, tools: Sequence[Tool], parallel: bool, chat_template: str | None
+) -> str:
+    """A rule for one or more calls of `tools` in `family`'s syntax; returns its name."""
+    many = "+" if parallel else ""
+    if family is ToolFamily.MISTRAL:
+        opener = g.markup("[TOOL_CALLS]")
+        if chat_template is not None and "[ARGS]" in chat_template:
+            args_marker = g.markup("[ARGS]")
+            calls = [
+                g.rule(f"{opener} {_lit(t.name)} {args_marker} {g.json(_params_schema(t))}") for t in tools
+            ]
+            return g.rule(f"({' | '.join(calls)}){many}")
+        body = g.rule(" | ".join(_json_call(g, t, "arguments") for t in tools))
+        rest = f'(", " {body})*' if parallel else ""
+        return g.rule(f'{opener} "[" {body} {rest} "]"')
+    if family is ToolFamily.LLAMA3:
+        body = g.rule(" | ".join(_json_call(g, t, "parameters") for t in tools))
+        return g.rule(f'{body} ("; " {body})*' if parallel else body)
+    open_tag, close_tag = g.markup("<tool_call>"), g.markup("</tool_call>")
+    if family is ToolFamily.QWEN3_CODER:
+        body = g.rule(" | ".join(_xml_call(g, t) for t in tools))
+    else:
+        body = g.rule(" | ".join(_json_call(g, t, "arguments") for t in tools))
+    call = g.rule(f'{open_tag} "\\n" {body} "\\n" {close_tag}')
+    return g.rule(f'{call} ("\\n" {call})*' if parallel else call)
+
+
+def response_schema(fmt: ResponseFormat) -> dict[str, Any] | None:
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    if fmt.type == "json_schema":
+        return dict(fmt.schema) if fmt.schema else {"type": "object"}
+    return None
+
+
+def grammar_for_plan(plan: Plan) -> tuple[str, str] | None:
+    """(Lark grammar, kind) the answer must follow, or None when it is free text."""
+    request = plan.request
+    tokenizer = plan.backend.tokenizer
+    g = _Lark(tokenizer)
+    mode = request.tool_choice.mode
+    if request.tools and mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED):
+        tools = request.tools
+        if mode is ToolChoiceMode.NAMED:
+            tools = [t for t in tools if t.name == request.tool_choice.name]
+            if not tools:
+                raise invalid(
+                    f"tool_choice names {request.tool_choice.name!r}, which is not a declared tool",
+                    "tool_choice",
+                )
+        family = detect_family(plan.chat_template)
+        calls = tool_call_grammar(g, family, tools, request.parallel_tool_calls, plan.chat_template)
+        g.rule(calls, "start")
+        return g.text(), "tool_call"
+    schema = response_schema(request.response_format) if request.response_format else None
+    if schema is None:
+        return None
+    answer = g.json(schema)
+    if request.tools and mode is ToolChoiceMode.AUTO:
+        family = detect_family(plan.chat_template)
+        calls = tool_call_grammar(g, family, request.tools, request.parallel_tool_calls, plan.chat_template)
+        g.rule(f"{answer} | {calls}", "start")
+    else:
+        g.rule(answer, "start")
+    assert request.response_format is not None
+    return g.text(), request.response_format.type
+
+
+# ---------------------------------------------------------------- the processor
+
+
+def allowed_from_bitmask(bits: bytes, vocab_size: int) -> np.ndarray:
+    """llguidance's bitmask (bit i of little-endian words = token i allowed) as a bool array."""
+    return np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")[:vocab_size].view(np.bool_)
+
+
+def apply_bitmask(logits: torch.Tensor, bits: bytes, vocab_size: int) -> None:
+    """Sets every token the bitmask forbids to -inf. `logits` is (vocab,) on any device; tokens
+    past the grammar's vocabulary (padding rows of the embedding) are always forbidden."""
+    allowed = torch.from_numpy(allowed_from_bitmask(bits, vocab_size))
+    if logits.device.type != "cpu":
+        allowed = allowed.to(logits.device, non_blocking=True)
+    n = min(vocab_size, logits.shape[0])
+    logits[:n].masked_fill_(~allowed[:n], float("-inf"))
+    if logits.shape[0] > n:
+        logits[n:] = float("-inf")
+
+
+def force_tokens(logits: torch.Tensor, token_ids: Iterable[int]) -> None:
+    """Only `token_ids` stay possible; they keep their relative logits."""
+    ids = torch.tensor(sorted(token_ids), dtype=torch.long, device=logits.device)
+    keep = logits.index_select(0, ids)
+    keep = torch.where(torch.isfinite(keep), keep, torch.zeros_like(keep))
+    logits.fill_(float("-inf"))
+    logits.index_copy_(0, ids, keep)
+
+
+class GrammarProcessor:
+    """Constrains one sequence to a grammar; see the module docstring."""
+
+    def __init__(
+        self,
+        matcher: llguidance.LLMatcher,
+        vocab_size: int,
+        eos_ids: frozenset[int],
+        *,
+        think_ids: tuple[int, int] | None = None,
+        start_in_reasoning: bool = False,
+        may_open_think: bool = False,
+    ) -> None:
+        self.pristine = matcher  # never advanced: fork() copies it
+        self.matcher = matcher.deep_copy()
+        self.vocab_size = vocab_size
+        self.eos_ids = eos_ids
+        self.think_ids = think_ids
+        self.start_in_reasoning = start_in_reasoning
+        self.may_open_think = may_open_think and think_ids is not None
+        self.allow_think = self.may_open_think  # as configured, for fork()
+        self.in_reasoning = start_in_reasoning and think_ids is not None
+        self.started = False  # the grammar has seen its first token
+        self.num_seen = 0
+
+    def fork(self) -> GrammarProcessor:
+        return GrammarProcessor(
+            self.pristine,
+            self.vocab_size,
+            self.eos_ids,
+            think_ids=self.think_ids,
+            start_in_reasoning=self.start_in_reasoning,
+            may_open_think=self.allow_think,
+        )
+
+    @property
+    def is_done(self) -> bool:
+        return self.matcher.is_stopped() or self.matcher.is_error()
+
+    def _advance(self, token_id: int) -> None:
+        if self.think_ids is not None:
+            open_id, close_id = self.think_ids
+            if self.in_reasoning:
+                if token_id == close_id:
+                    self.in_reasoning = False
+                    self.may_open_think = False  # one think block, then the grammar
+                return
+            if not self.started and self.may_open_think and token_id == open_id:
+                self.in_reasoning = True
+                return
+        self.started = True
+        self.matcher.consume_token(token_id)
+
+    def __call__(self, generated_ids: Sequence[int], logits: torch.Tensor) -> None:
+        for token_id in generated_ids[self.num_seen :]:
+            self._advance(token_id)
+        self.num_seen = len(generated_ids)
+        if self.in_reasoning:
+            return
+        if self.is_done:
+            if self.eos_ids:
+                force_tokens(logits, self.eos_ids)
+            return
+        bits = self.matcher.compute_bitmask()
+        if not self.started and self.may_open_think and self.think_ids is not None:
+            open_id = self.think_ids[0]
+            keep = logits[open_id].clone()
+            apply_bitmask(logits, bits, self.vocab_size)
+            logits[open_id] = keep
+        else:
+            apply_bitmask(logits, bits, self.vocab_size)
+
+
+def make_matcher(grammar: str, tokenizer: Tokenizer, vocab_size: int, param: str) -> llguidance.LLMatcher:
+    try:
+        import llguidance
+    except ImportError as exc:  # an optional dependency: only constrained requests need it
+        raise invalid(
+            "this server cannot enforce output formats: install turbospark[grammar] (llguidance)", param
+        ) from exc
+
+    ll = ll_tokenizer(tokenizer, vocab_size)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll)
+    if is_error:
+        raise invalid(
+            f"the requested output format cannot be enforced: {messages[0] if messages else grammar}", param
+        )
+    matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
+    if matcher.is_error():
+        raise invalid(f"the requested output format cannot be enforced: {matcher.get_error()}", param)
+    return matcher
 
 
 def processors_for_plan(plan: Plan) -> list[LogitsProcessor]:
     out: list[LogitsProcessor] = []
     tokenizer = plan.backend.tokenizer
     open_id, close_id = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
-    if plan.thinking_budget is not None and open_id is not None and close_id is not None:
-        out.append(ThinkingBudget(plan.thinking_budget, open_id, close_id, plan.start_in_reasoning))
+    think_ids = (open_id, close_id) if open_id is not None and close_id is not None else None
+    if plan.thinking_budget is not None and think_ids is not None:
+        out.append(ThinkingBudget(plan.thinking_budget, *think_ids, plan.start_in_reasoning))
+    found = grammar_for_plan(plan)
+    if found is not None:
+        grammar, kind = found
+        param = "tool_choice" if kind == "tool_call" else "response_format"
+        vocab_size = max(plan.backend.vocab_size, tokenizer.vocab_size)
+        matcher = make_matcher(grammar, tokenizer, vocab_size, param)
+        eos_ids = frozenset(plan.config.stop_token_ids) or tokenizer.eos_token_ids
+        may_think = plan.has_reasoning_markup and plan.reasoning is not ReasoningEffort.OFF
+        out.append(
+            GrammarProcessor(
+                matcher,
+                vocab_size,
+                eos_ids,
+                think_ids=think_ids,
+                start_in_reasoning=plan.start_in_reasoning,
+                may_open_think=may_think and not plan.start_in_reasoning,
+            )
+        )
+        GRAMMAR_REQUESTS.inc(kind=kind)
     return out

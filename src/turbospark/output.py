@@ -5,6 +5,11 @@ callback, so every decoded token becomes events as soon as it is sampled. The or
 incremental UTF-8-safe detokenizing -> stop strings (over the whole generated text, as the OpenAI
 API defines them) -> reasoning split (`<think>`) -> tool-call parsing of the answer. A matched stop
 string sets `stopped`, which the caller turns into the engine's cancel flag.
+
+Special tokens are skipped when detokenizing, except the markers the reasoning splitter and the
+tool parser read (`<think>` where a tokenizer marks it special, Mistral's `[TOOL_CALLS]`, Llama's
+`<|python_tag|>`): those come through as their text, or reasoning would leak into the answer and
+calls would be lost.
 """
 
 from __future__ import annotations
@@ -37,6 +42,14 @@ class OutputPipeline:
         self.tools: ToolParser | None = make_tool_parser(
             plan.chat_template, plan.request.tools, plan.backend.guardrails()
         )
+        markers = list(self.tools.special_markers) if self.tools is not None else []
+        if self.splitter is not None:
+            markers += self.splitter.tags
+        self.kept_specials: dict[int, str] = {}
+        for marker in markers:
+            token_id = tokenizer.token_to_id(marker)
+            if token_id is not None and token_id in tokenizer.special_ids:
+                self.kept_specials[token_id] = marker
         self.want_logprobs = plan.config.num_top_logprobs is not None
         self.pending_logprobs: list[TokenLogprob] = []
         self.stop_sequence: str | None = None
@@ -55,7 +68,7 @@ class OutputPipeline:
             self.num_reasoning_tokens += 1
         if self.want_logprobs:
             self.pending_logprobs.append(self._logprob(token))
-        text, matched = self.stops.push(self.decoder.push(token.token_id))
+        text, matched = self.stops.push(self._detokenize(token.token_id))
         if matched is not None:
             self.stop_sequence = matched
         return self._route(text)
@@ -95,6 +108,14 @@ class OutputPipeline:
             Finish(reason, usage, self.stop_sequence, result.prefill_seconds, result.decode_seconds)
         )
         return events
+
+    def _detokenize(self, token_id: int) -> str:
+        marker = self.kept_specials.get(token_id)
+        if marker is None:
+            return self.decoder.push(token_id)
+        held = self.decoder.flush()  # bytes before a special token can never complete
+        self.decoder = IncrementalDecoder(self.tokenizer)
+        return held + marker
 
     def _route(self, text: str) -> list[Event]:
         if not text:

@@ -38,7 +38,9 @@ class Plan:
     def config_for_choice(self, index: int) -> GenerationConfig:
         """A fresh config per choice: choices of one seeded request differ but reproduce."""
         seed = None if self.config.seed is None else self.config.seed + index
-        return replace(self.config, seed=seed, processors=list(self.config.processors))
+        # Processors hold one sequence's state: each choice gets fresh copies of them.
+        processors = [getattr(p, "fork", lambda p=p: p)() for p in self.config.processors]
+        return replace(self.config, seed=seed, processors=processors)
 
 
 def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
@@ -97,6 +99,9 @@ def _with_default_system(messages: list[Message], system: str | None) -> list[Me
 
 def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
     backend = registry.resolve(request.model)
+    if backend.vision() is None and request.images():
+        # Refused here, by name: a text-only template cannot even render image parts.
+        raise invalid(f"model {backend.model_id!r} cannot read images: it has no vision tower", "messages")
     tokenizer = backend.tokenizer
     effort = request.reasoning_effort or backend.default_reasoning()
     template = tokenizer.chat_template or CHATML_TEMPLATE

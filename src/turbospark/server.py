@@ -11,8 +11,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from turbospark import __version__
-from turbospark.api import openai, operations
+from turbospark import __version__, metrics
+from turbospark.api import anthropic, ollama, openai, operations, responses
 from turbospark.api.common import ServerState, state_of
 
 
@@ -29,7 +29,11 @@ def create_app(state: ServerState) -> Starlette:
     routes: list[BaseRoute] = [Route("/health", health, methods=["GET"])]
     # Each API module contributes routes(); order matters only where paths overlap.
     routes += operations.routes()
+    routes += anthropic.routes()  # before openai: it answers /v1/models in either envelope
     routes += openai.routes()
+    routes += responses.routes()
+    routes += ollama.routes()
+    routes += metrics.routes()
     app = Starlette(routes=routes)
     app.state.server = state
     return app

@@ -1,79 +1,61 @@
-"""Hermes / Qwen style calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
+"""Hermes / Qwen2.5 style calls: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`.
+
+Each call sits in its own tag pair; several calls are several pairs. Besides the tags, the
+guardrails accept what small Qwen models write instead: a list of calls in one pair, a call
+whose closing tag never came (the next `<tool_call>` or the end of the output closes it), and a
+bare or code-fenced JSON call at the start of the answer.
+"""
 
 from __future__ import annotations
 
-import json
-import uuid
 from collections.abc import Sequence
 
 from turbospark.backend import GuardrailConfig
-from turbospark.events import TextDelta, ToolCallArgs, ToolCallStart
 from turbospark.request import Tool
-from turbospark.toolcalls import ToolEvent
+from turbospark.toolcalls.stream import (
+    RawCall,
+    Scan,
+    StreamToolParser,
+    bare_region_end,
+    calls_from_json,
+    parse_bare,
+    parse_json_body,
+)
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
 
 
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
+class HermesParser(StreamToolParser):
+    markers = (OPEN,)
 
-
-class HermesParser:
     def __init__(self, tools: Sequence[Tool], guardrails: GuardrailConfig) -> None:
-        self.tools = {t.name: t for t in tools}
-        self.guardrails = guardrails
-        self.num_calls = 0
-        self.buf = ""
-        self.in_call = False
+        super().__init__(tools, guardrails)
+        self.bare_json = guardrails.enabled
 
-    def feed(self, text: str) -> list[ToolEvent]:
-        out: list[ToolEvent] = []
-        self.buf += text
-        while self.buf:
-            if self.in_call:
-                at = self.buf.find(CLOSE)
-                if at < 0:
-                    break
-                body, self.buf = self.buf[:at], self.buf[at + len(CLOSE) :]
-                self.in_call = False
-                out.extend(self._emit(body))
-                continue
-            at = self.buf.find(OPEN)
-            if at >= 0:
-                if at:
-                    out.append(TextDelta(self.buf[:at]))
-                self.buf = self.buf[at + len(OPEN) :]
-                self.in_call = True
-                continue
-            hold = 0
-            for size in range(min(len(OPEN) - 1, len(self.buf)), 0, -1):
-                if self.buf.endswith(OPEN[:size]):
-                    hold = size
-                    break
-            if len(self.buf) > hold:
-                out.append(TextDelta(self.buf[: len(self.buf) - hold]))
-            self.buf = self.buf[len(self.buf) - hold :]
-            break
-        return out
+    def region_end(self, marker: str, text: str) -> int | Scan:
+        if marker == "":
+            return bare_region_end(text, self.json_end)
+        close = text.find(CLOSE)
+        reopen = text.find(OPEN)
+        if reopen >= 0 and (close < 0 or reopen < close):
+            return reopen  # an unclosed call followed by the next one
+        return Scan.MORE if close < 0 else close + len(CLOSE)
 
-    def _emit(self, body: str) -> list[ToolEvent]:
-        try:
-            obj = json.loads(body)
-            name = obj["name"]
-            args = obj.get("arguments", {})
-            if not isinstance(name, str) or not isinstance(args, dict):
-                raise ValueError("bad call shape")
-        except (ValueError, KeyError, TypeError):
-            return [TextDelta(OPEN + body + CLOSE)]
-        index = self.num_calls
-        self.num_calls += 1
-        return [
-            ToolCallStart(index, new_call_id(), name),
-            ToolCallArgs(index, json.dumps(args, ensure_ascii=False)),
-        ]
-
-    def finish(self) -> list[ToolEvent]:
-        rest = (OPEN if self.in_call else "") + self.buf
-        self.buf, self.in_call = "", False
-        return [TextDelta(rest)] if rest else []
+    def parse_region(self, marker: str, region: str, complete: bool) -> list[RawCall] | None:
+        if marker == "":
+            return parse_bare(region, self.config)
+        repairs: list[str] = []
+        body = region
+        if body.endswith(CLOSE):
+            body = body[: -len(CLOSE)]
+        elif complete:
+            repairs.append("unclosed")  # closed by the next <tool_call>
+        body = body.strip()
+        if body.startswith("```"):
+            return [
+                RawCall(c.name, c.arguments, marker + region, c.repairs + repairs)
+                for c in parse_bare(body, self.config) or []
+            ] or None
+        value = parse_json_body(body, self.config, repairs)
+        return calls_from_json(value, marker + region, repairs)

@@ -1,0 +1,710 @@
+"""Ollama wire format: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version, `/`.
+
+Bodies parse into `ChatRequest`; events render back as Ollama JSON objects, one per line
+(NDJSON) when streaming, which is Ollama's default (`stream` absent means true). The last line
+has `done: true`, a `done_reason`, token counts and durations in nanoseconds. Errors are
+`{"error": "..."}` with the HTTP status, or one such line if a stream already started.
+
+Ollama specifics kept here: tool-call `arguments` are JSON objects (not strings), a tool call is
+sent whole once complete (never as argument fragments), tool results carry `tool_name`, reasoning
+goes to `thinking` (never into the answer), and model names are `name:tag` (the registry drops
+`:latest`; `/api/tags` lists `<id>:latest`). An empty `messages` / `prompt` is Ollama's "load
+the model" request and answers `done_reason: "load"` (or "unload" with `keep_alive: 0`).
+
+Accepted and not applied: `keep_alive` (models stay loaded for the life of the server) and
+`options.num_ctx` (the context is fixed when the model loads), plus Ollama's runner options
+(num_gpu, num_thread, mirostat, ...). Refused with a 400: `suffix`, `template`, a non-empty
+`context`, and `images` or `system` together with `raw: true`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from turbospark.api import fields as f
+from turbospark.api.common import endpoint, prime, read_json, retry_headers, state_of, until_disconnect
+from turbospark.api.openai import parse_tools
+from turbospark.backend import ChatModel, ReasoningEffort
+from turbospark.chat_template import CHATML_TEMPLATE
+from turbospark.errors import ApiError, invalid
+from turbospark.events import (
+    Event,
+    Finish,
+    ReasoningDelta,
+    TextDelta,
+    TokenLogprob,
+    ToolCallArgs,
+    ToolCallStart,
+)
+from turbospark.generate import run_choice, stream_choice
+from turbospark.plan import Plan, make_plan
+from turbospark.request import ChatRequest, Message, ResponseFormat, SamplingParams, ToolCall
+
+# The Ollama API level this server answers as on /api/version: tools that gate features on the
+# server version (thinking, tool calls, structured outputs) see one that has them all.
+OLLAMA_API_VERSION = "0.13.0"
+
+NDJSON = "application/x-ndjson"
+
+
+def render_error(exc: ApiError) -> Response:
+    return JSONResponse({"error": exc.message}, status_code=exc.status, headers=retry_headers(exc))
+
+
+def _error_line(exc: ApiError) -> bytes:
+    return orjson.dumps({"error": exc.message}) + b"\n"
+
+
+def created_at() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+# ---------------------------------------------------------------- parsing
+
+
+_THINK_LEVELS = {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH}
+
+
+def parse_think(raw: Any) -> ReasoningEffort | None:
+    """`think`: true/false, or a level. True asks for thinking at medium effort."""
+    if raw is None:
+        return None
+    if raw is True:
+        return ReasoningEffort.MEDIUM
+    if raw is False:
+        return ReasoningEffort.OFF
+    if isinstance(raw, str) and raw in _THINK_LEVELS:
+        return _THINK_LEVELS[raw]
+    raise invalid(f"'think' must be true, false, 'low', 'medium' or 'high', got {raw!r}", "think")
+
+
+def parse_format(raw: Any) -> ResponseFormat | None:
+    """`format`: "json" (any JSON object) or a JSON schema the reply must follow."""
+    if raw is None or raw == "":
+        return None
+    if raw == "json":
+        return ResponseFormat("json_object")
+    if isinstance(raw, dict):
+        return ResponseFormat("json_schema", schema=raw, strict=True)
+    raise invalid(f"'format' must be \"json\" or a JSON schema object, got {raw!r}", "format")
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_keep_alive(raw: Any) -> float | None:
+    """Seconds (a number, or a Go duration like "5m" / "1h30m"; negative means forever)."""
+    if raw is None:
+        return None
+    if isinstance(raw, int | float) and not isinstance(raw, bool):
+        return float(raw)
+    if isinstance(raw, str):
+        text = raw.strip()
+        try:
+            return float(text)
+        except ValueError:
+            pass
+        sign = -1.0 if text.startswith("-") else 1.0
+        body = text.lstrip("+-")
+        parts = _DURATION_PART.findall(body)
+        if parts and "".join(n + u for n, u in parts) == body:
+            return sign * sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+    raise invalid(
+        f"'keep_alive' must be a number of seconds or a duration like \"5m\", got {raw!r}", "keep_alive"
+    )
+
+
+def parse_options(body: dict[str, Any]) -> tuple[SamplingParams, int | None, list[str]]:
+    """`options` -> (sampling, max_tokens, stop). Runner options Ollama has are accepted."""
+    opts = f.obj(body, "options") or {}
+
+    def where(key: str) -> str:
+        return f"options.{key}"
+
+    sp = SamplingParams()
+    temperature = f.number(opts, "temperature", where("temperature"), minimum=0.0)
+    if temperature is not None:
+        sp.temperature = temperature
+    top_p = f.number(opts, "top_p", where("top_p"), minimum=0.0, maximum=1.0)
+    if top_p is not None:
+        sp.top_p = top_p
+    sp.top_k = max(0, f.integer(opts, "top_k", where("top_k"), minimum=-1) or 0)
+    sp.min_p = f.number(opts, "min_p", where("min_p"), minimum=0.0, maximum=1.0) or 0.0
+    seed = f.integer(opts, "seed", where("seed"))
+    sp.seed = seed if seed is not None and seed >= 0 else None  # Ollama: -1 is a random seed
+    repeat = f.number(opts, "repeat_penalty", where("repeat_penalty"), minimum=0.0, maximum=10.0)
+    # 1.0 is off; llama.cpp treats 0 as off too rather than dividing logits by zero.
+    sp.repetition_penalty = repeat if repeat else 1.0
+    sp.presence_penalty = (
+        f.number(opts, "presence_penalty", where("presence_penalty"), minimum=-2.0, maximum=2.0) or 0.0
+    )
+    sp.frequency_penalty = (
+        f.number(opts, "frequency_penalty", where("frequency_penalty"), minimum=-2.0, maximum=2.0) or 0.0
+    )
+    f.integer(opts, "num_ctx", where("num_ctx"), minimum=1)  # validated, not applied (see docstring)
+
+    num_predict = f.integer(opts, "num_predict", where("num_predict"), minimum=-2)
+    if num_predict == 0:
+        raise invalid(
+            "'options.num_predict' must be a positive number of tokens, "
+            "-1 (no limit) or -2 (fill the context)",
+            where("num_predict"),
+        )
+    max_tokens = num_predict if num_predict is not None and num_predict > 0 else None
+
+    stop = opts.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = list(stop)
+    else:
+        raise invalid("'options.stop' must be a string or an array of strings", where("stop"))
+
+    sp.logprobs = f.boolean(body, "logprobs", False)
+    top = f.integer(body, "top_logprobs", minimum=0, maximum=20)
+    if top:
+        sp.logprobs = True
+    sp.top_logprobs = top or 0
+    return sp, max_tokens, stops
+
+
+def _images(raw: Any, where: str) -> list[Any]:
+    items = raw if raw is not None else []
+    if not isinstance(items, list):
+        raise invalid(f"'{where}' must be an array of base64 strings", where)
+    out = []
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise invalid(f"'{where}[{i}]' must be a base64 string", f"{where}[{i}]")
+        out.append(f.decode_base64_image(item, f"{where}[{i}]"))
+    return out
+
+
+def _tool_calls(raw: Any, where: str) -> list[ToolCall]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise invalid(f"'{where}' must be an array", where)
+    calls = []
+    for i, item in enumerate(raw):
+        iw = f"{where}[{i}]"
+        item = f.as_object(item, iw)
+        fn = f.obj(item, "function", f"{iw}.function", required=True) or {}
+        name = f.string(fn, "name", f"{iw}.function.name", required=True) or ""
+        args = fn.get("arguments")
+        if args is None:
+            args = {}
+        elif isinstance(args, str):  # some clients send the OpenAI-style string; accept it
+            try:
+                args = orjson.loads(args) if args.strip() else {}
+            except orjson.JSONDecodeError as exc:
+                raise invalid(
+                    f"'{iw}.function.arguments' is not valid JSON: {exc}", f"{iw}.function"
+                ) from exc
+        if not isinstance(args, dict):
+            raise invalid(f"'{iw}.function.arguments' must be an object", f"{iw}.function.arguments")
+        call_id = f.string(item, "id", f"{iw}.id") or f"call_{i}"
+        calls.append(ToolCall(id=call_id, name=name, arguments=orjson.dumps(args).decode()))
+    return calls
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def parse_messages(raw: Any) -> list[Message]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise invalid("'messages' must be an array", "messages")
+    out = []
+    for i, item in enumerate(raw):
+        where = f"messages[{i}]"
+        item = f.as_object(item, where)
+        role = f.string(item, "role", f"{where}.role", required=True)
+        if role not in _ROLES:
+            raise invalid(f"'{where}.role' must be one of {', '.join(_ROLES)}, got {role!r}", f"{where}.role")
+        msg = Message(role=role)  # type: ignore[arg-type]
+        msg.content = f.string(item, "content", f"{where}.content") or ""
+        msg.images = _images(item.get("images"), f"{where}.images")
+        if role == "assistant":
+            msg.tool_calls = _tool_calls(item.get("tool_calls"), f"{where}.tool_calls")
+            msg.reasoning = f.string(item, "thinking", f"{where}.thinking") or None
+        if role == "tool":
+            msg.name = f.string(item, "tool_name", f"{where}.tool_name")
+            msg.tool_call_id = f.string(item, "tool_call_id", f"{where}.tool_call_id")
+        out.append(msg)
+    _link_tool_results(out)
+    return out
+
+
+def _link_tool_results(messages: list[Message]) -> None:
+    """Fills each tool result's missing call id or tool name from the call it answers.
+
+    Ollama's history names the tool (`tool_name`) but carries no call ids; OpenAI-shaped clients
+    (LiteLLM) send `tool_call_id` and no name. Templates may want either, so both are filled:
+    a result answers the first still-open call with its id, else with its name, else in order.
+    """
+    open_calls: list[ToolCall] = []
+    for msg in messages:
+        if msg.role == "assistant":
+            open_calls = list(msg.tool_calls)
+        elif msg.role == "tool" and open_calls:
+            match = next((c for c in open_calls if msg.tool_call_id and c.id == msg.tool_call_id), None)
+            if match is None and msg.tool_call_id is None:
+                match = next((c for c in open_calls if msg.name and c.name == msg.name), open_calls[0])
+            if match is not None:
+                open_calls.remove(match)
+                msg.tool_call_id = msg.tool_call_id or match.id
+                msg.name = msg.name or match.name
+
+
+def parse_chat_request(body: dict[str, Any]) -> tuple[ChatRequest, float | None]:
+    model = f.string(body, "model", required=True) or ""
+    sampling, max_tokens, stop = parse_options(body)
+    request = ChatRequest(
+        model=model,
+        messages=parse_messages(body.get("messages")),
+        tools=parse_tools(body.get("tools")),
+        response_format=parse_format(body.get("format")),
+        sampling=sampling,
+        max_tokens=max_tokens,
+        stop=stop,
+        stream=f.boolean(body, "stream", True),
+        reasoning_effort=parse_think(body.get("think")),
+    )
+    return request, parse_keep_alive(body.get("keep_alive"))
+
+
+def parse_generate_request(body: dict[str, Any]) -> tuple[ChatRequest, float | None]:
+    model = f.string(body, "model", required=True) or ""
+    prompt = f.string(body, "prompt") or ""
+    system = f.string(body, "system")
+    raw = f.boolean(body, "raw", False)
+    if f.string(body, "suffix"):
+        raise invalid("'suffix' (fill-in-the-middle) is not supported by this server", "suffix")
+    if f.string(body, "template"):
+        raise invalid(
+            "'template' overrides are not supported: the model's own chat template is used "
+            "(send raw: true with a ready prompt instead)",
+            "template",
+        )
+    if f.array(body, "context"):
+        raise invalid(
+            "'context' is not supported by this server: keep the conversation as /api/chat messages "
+            "or send the whole prompt",
+            "context",
+        )
+    images = _images(body.get("images"), "images")
+    sampling, max_tokens, stop = parse_options(body)
+    request = ChatRequest(
+        model=model,
+        messages=[],
+        response_format=parse_format(body.get("format")),
+        sampling=sampling,
+        max_tokens=max_tokens,
+        stop=stop,
+        stream=f.boolean(body, "stream", True),
+        reasoning_effort=parse_think(body.get("think")),
+    )
+    if raw:
+        if images:
+            raise invalid("'images' cannot be sent with raw: true; send them without raw", "images")
+        if system:
+            raise invalid("'system' has no effect with raw: true; put it in the prompt", "system")
+        if prompt:
+            request.prompt = prompt
+    elif prompt or images:
+        if system:
+            request.messages.append(Message(role="system", content=system))
+        request.messages.append(Message(role="user", content=prompt, images=images))
+    return request, parse_keep_alive(body.get("keep_alive"))
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def done_reason(finish: Finish) -> str:
+    # Ollama reports a reply that called tools as "stop"; a cancelled one never reaches a client.
+    return "length" if finish.reason == "length" else "stop"
+
+
+def _ns(seconds: float) -> int:
+    return max(1, round(seconds * 1e9))
+
+
+def timings(finish: Finish, started: float) -> dict[str, Any]:
+    """Counts and nanosecond durations; load_duration is the time outside prefill and decode."""
+    total = time.perf_counter() - started
+    return {
+        "total_duration": _ns(total),
+        "load_duration": _ns(max(0.0, total - finish.prefill_seconds - finish.decode_seconds)),
+        "prompt_eval_count": finish.usage.prompt_tokens,
+        "prompt_eval_duration": _ns(finish.prefill_seconds),
+        "eval_count": finish.usage.completion_tokens,
+        "eval_duration": _ns(finish.decode_seconds),
+    }
+
+
+def _logprobs(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+    return [
+        {
+            "token": e.token,
+            "logprob": e.logprob,
+            "bytes": list(e.token.encode()),
+            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, _, v in e.top],
+        }
+        for e in entries
+    ]
+
+
+def _call_dict(index: int, call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    try:
+        args = orjson.loads(arguments) if arguments.strip() else {}
+    except orjson.JSONDecodeError:
+        args = None
+    if not isinstance(args, dict):
+        # Tool parsers only emit object arguments; this guards the one contract Ollama clients
+        # validate (an object), should a parser ever hand over something else.
+        args = {"arguments": arguments}
+    return {"id": call_id, "function": {"index": index, "name": name, "arguments": args}}
+
+
+class _Calls:
+    """Tool calls assembled from start/argument events; Ollama sends each one whole."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[int, str, str, list[str]]] = []
+
+    def add(self, event: ToolCallStart | ToolCallArgs) -> None:
+        if isinstance(event, ToolCallStart):
+            self.pending.append((event.index, event.id, event.name, []))
+        else:
+            for index, _, _, parts in self.pending:
+                if index == event.index:
+                    parts.append(event.delta)
+
+    def take(self) -> list[dict[str, Any]]:
+        done = [_call_dict(i, cid, name, "".join(parts)) for i, cid, name, parts in self.pending]
+        self.pending = []
+        return done
+
+
+def _chat_message(
+    content: str, thinking: str | None = None, calls: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if thinking:
+        message["thinking"] = thinking
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _load_reply(model: str, keep_alive: float | None, chat: bool) -> dict[str, Any]:
+    reply: dict[str, Any] = {"model": model, "created_at": created_at()}
+    if chat:
+        reply["message"] = {"role": "assistant", "content": ""}
+    else:
+        reply["response"] = ""
+    reply["done_reason"] = "unload" if keep_alive == 0 else "load"
+    reply["done"] = True
+    return reply
+
+
+def _respond(reply: dict[str, Any], stream: bool) -> Response:
+    data = orjson.dumps(reply)
+    return (
+        Response(data + b"\n", media_type=NDJSON) if stream else Response(data, media_type="application/json")
+    )
+
+
+async def _generate(request: Request, chat_api: bool) -> Response:
+    started = time.perf_counter()
+    body = await read_json(request)
+    parse = parse_chat_request if chat_api else parse_generate_request
+    chat, keep_alive = parse(body)
+    registry = state_of(request).registry
+    if not chat.messages and chat.prompt is None:
+        registry.resolve(chat.model)  # an unknown model is still a 404
+        return _respond(_load_reply(chat.model, keep_alive, chat_api), chat.stream)
+    plan = make_plan(chat, registry)
+    if chat.stream:
+        return await _stream(plan, started, chat_api)
+
+    events = await until_disconnect(request, run_choice(plan))
+    text: list[str] = []
+    thinking: list[str] = []
+    calls = _Calls()
+    logprobs: list[TokenLogprob] = []
+    finish: Finish | None = None
+    for event in events:
+        if isinstance(event, TextDelta):
+            text.append(event.text)
+            logprobs.extend(event.logprobs or [])
+        elif isinstance(event, ReasoningDelta):
+            thinking.append(event.text)
+        elif isinstance(event, ToolCallStart | ToolCallArgs):
+            calls.add(event)
+        elif isinstance(event, Finish):
+            finish = event
+    assert finish is not None
+    reply: dict[str, Any] = {"model": chat.model, "created_at": created_at()}
+    if chat_api:
+        reply["message"] = _chat_message("".join(text), "".join(thinking), calls.take())
+    else:
+        reply["response"] = "".join(text)
+        if thinking:
+            reply["thinking"] = "".join(thinking)
+    if chat.sampling.logprobs:
+        reply["logprobs"] = _logprobs(logprobs)
+    reply |= {"done": True, "done_reason": done_reason(finish), **timings(finish, started)}
+    return Response(orjson.dumps(reply), media_type="application/json")
+
+
+async def _stream(plan: Plan, started: float, chat_api: bool) -> Response:
+    chat = plan.request
+    model = chat.model
+    first, events = await prime(stream_choice(plan, 0))
+
+    def line(
+        content: str = "",
+        thinking: str | None = None,
+        calls: list[dict[str, Any]] | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> bytes:
+        reply: dict[str, Any] = {"model": model, "created_at": created_at()}
+        if chat_api:
+            reply["message"] = _chat_message(content, thinking, calls)
+        else:
+            reply["response"] = content
+            if thinking:
+                reply["thinking"] = thinking
+        if logprobs:
+            reply["logprobs"] = _logprobs(logprobs)
+        reply["done"] = False
+        return orjson.dumps(reply) + b"\n"
+
+    async def all_events() -> AsyncIterator[Event]:
+        if first is not None:
+            yield first
+        async for event in events:
+            yield event
+
+    async def body() -> AsyncIterator[bytes]:
+        calls = _Calls()
+        try:
+            async for event in all_events():
+                if isinstance(event, TextDelta):
+                    if event.text or event.logprobs:
+                        yield line(event.text, logprobs=event.logprobs)
+                elif isinstance(event, ReasoningDelta):
+                    yield line(thinking=event.text)
+                elif isinstance(event, ToolCallStart):
+                    if calls.pending:  # the previous call is complete
+                        yield line(calls=calls.take())
+                    calls.add(event)
+                elif isinstance(event, ToolCallArgs):
+                    calls.add(event)
+                elif isinstance(event, Finish):
+                    if calls.pending:
+                        yield line(calls=calls.take())
+                    final: dict[str, Any] = {"model": model, "created_at": created_at()}
+                    if chat_api:
+                        final["message"] = {"role": "assistant", "content": ""}
+                    else:
+                        final["response"] = ""
+                    final |= {"done": True, "done_reason": done_reason(event), **timings(event, started)}
+                    yield orjson.dumps(final) + b"\n"
+        except ApiError as exc:
+            yield _error_line(exc)
+
+    return StreamingResponse(body(), media_type=NDJSON)
+
+
+async def chat(request: Request) -> Response:
+    return await _generate(request, chat_api=True)
+
+
+async def generate(request: Request) -> Response:
+    return await _generate(request, chat_api=False)
+
+
+# ---------------------------------------------------------------- models
+
+
+def ollama_name(model_id: str) -> str:
+    """The name Ollama clients list and send back: `<id>:latest` unless the id has a tag."""
+    return model_id if ":" in model_id.rsplit("/", 1)[-1] else f"{model_id}:latest"
+
+
+def _rfc3339(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).isoformat().replace("+00:00", "Z")
+
+
+def _parameter_size(num: int) -> str:
+    if num <= 0:
+        return ""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if num >= scale:
+            return f"{num / scale:.1f}{unit}"
+    return str(num)
+
+
+def model_details(backend: ChatModel) -> dict[str, Any]:
+    """Ollama's `details`. Backends may describe themselves with optional attributes:
+    `family`, `num_parameters`, `file_format`, `quantization` (all else is left empty)."""
+    family = str(getattr(backend, "family", "") or "")
+    return {
+        "parent_model": "",
+        "format": str(getattr(backend, "file_format", "") or ""),
+        "family": family,
+        "families": [family] if family else None,
+        "parameter_size": _parameter_size(int(getattr(backend, "num_parameters", 0) or 0)),
+        "quantization_level": str(getattr(backend, "quantization", "") or ""),
+    }
+
+
+def _size(backend: ChatModel) -> int:
+    return int(getattr(backend, "size_bytes", 0) or 0)
+
+
+def _digest(model_id: str) -> str:
+    return hashlib.sha256(model_id.encode()).hexdigest()
+
+
+def capabilities(backend: ChatModel) -> list[str]:
+    tokenizer = backend.tokenizer
+    template = tokenizer.chat_template or ""
+    caps = ["completion"]
+    if not tokenizer.chat_template or "tools" in template:  # no template: the built-in one has tools
+        caps.append("tools")
+    if tokenizer.token_to_id("<think>") is not None or "<think>" in template:
+        caps.append("thinking")
+    if backend.vision() is not None:
+        caps.append("vision")
+    if backend.supports_embeddings():
+        caps.append("embedding")
+    return caps
+
+
+async def tags(request: Request) -> Response:
+    registry = state_of(request).registry
+    models = [
+        {
+            "name": ollama_name(b.model_id),
+            "model": ollama_name(b.model_id),
+            "modified_at": _rfc3339(registry.created),
+            "size": _size(b),
+            "digest": _digest(b.model_id),
+            "details": model_details(b),
+        }
+        for b in registry.backends()
+    ]
+    return JSONResponse({"models": models})
+
+
+async def ps(request: Request) -> Response:
+    registry = state_of(request).registry
+    # Models stay loaded for the life of the server; Ollama shows "forever" as a far-off date.
+    expires = _rfc3339((datetime.now(UTC) + timedelta(days=365 * 100)).timestamp())
+    models = [
+        {
+            "name": ollama_name(b.model_id),
+            "model": ollama_name(b.model_id),
+            "size": _size(b),
+            "digest": _digest(b.model_id),
+            "details": model_details(b),
+            "expires_at": expires,
+            "size_vram": _size(b) if str(getattr(b, "device", "cpu")).startswith("cuda") else 0,
+            "context_length": b.max_context,
+        }
+        for b in registry.backends()
+    ]
+    return JSONResponse({"models": models})
+
+
+def _modelfile(name: str, backend: ChatModel, template: str) -> str:
+    lines = [f"# Modelfile of {name}, as served by turbospark", f"FROM {backend.model_id}"]
+    lines.append(f'TEMPLATE """{template}"""')
+    lines += [f"PARAMETER {line}" for line in _parameters(backend).splitlines()]
+    return "\n".join(lines) + "\n"
+
+
+def _parameters(backend: ChatModel) -> str:
+    tokenizer = backend.tokenizer
+    lines = [f"num_ctx {backend.max_context}"]
+    for token_id in sorted(tokenizer.eos_token_ids):
+        token = tokenizer.id_to_token(token_id)
+        if token:
+            lines.append(f"stop {orjson.dumps(token).decode()}")
+    return "\n".join(lines)
+
+
+async def show(request: Request) -> Response:
+    body = await read_json(request)
+    # LiteLLM and older clients send `name`; current ones send `model`.
+    name = f.string(body, "model") or f.string(body, "name")
+    if not name:
+        raise invalid("'model' is required", "model")
+    registry = state_of(request).registry
+    backend = registry.resolve(name)
+    template = backend.tokenizer.chat_template or CHATML_TEMPLATE
+    details = model_details(backend)
+    arch = details["family"] or "unknown"
+    info: dict[str, Any] = {
+        "general.architecture": arch,
+        "general.basename": backend.model_id,
+        f"{arch}.context_length": backend.max_context,
+        f"{arch}.vocab_size": backend.vocab_size,
+    }
+    num_parameters = int(getattr(backend, "num_parameters", 0) or 0)
+    if num_parameters:
+        info["general.parameter_count"] = num_parameters
+    return JSONResponse(
+        {
+            "license": "",
+            "modelfile": _modelfile(ollama_name(backend.model_id), backend, template),
+            "parameters": _parameters(backend),
+            "template": template,
+            "details": details,
+            "model_info": info,
+            "capabilities": capabilities(backend),
+            "modified_at": _rfc3339(registry.created),
+        }
+    )
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": OLLAMA_API_VERSION})
+
+
+async def root(request: Request) -> Response:
+    # Ollama's liveness answer; tools probe it (GET or HEAD) to find a running server.
+    return PlainTextResponse("Ollama is running")
+
+
+def routes() -> list[Route]:
+    wrap = endpoint(render_error)
+    open_ = endpoint(render_error, auth=False)
+    return [
+        Route("/", open_(root), methods=["GET", "HEAD"]),
+        Route("/api/version", open_(version), methods=["GET"]),
+        Route("/api/chat", wrap(chat), methods=["POST"]),
+        Route("/api/generate", wrap(generate), methods=["POST"]),
+        Route("/api/tags", wrap(tags), methods=["GET"]),
+        Route("/api/show", wrap(show), methods=["POST"]),
+        Route("/api/ps", wrap(ps), methods=["GET"]),
+    ]

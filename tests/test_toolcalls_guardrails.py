@@ -1,0 +1,213 @@
+"""Guardrails one step at a time, the family choice, their switches, and the /metrics text."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from corpus.support import TEMPLATES, family_tokenizer
+from turbospark.backend import GuardrailConfig
+from turbospark.events import TextDelta, ToolCallArgs, ToolCallStart
+from turbospark.guardrails import (
+    CheckedCall,
+    JsonRepairError,
+    Rejected,
+    check_arguments,
+    finalize_call,
+    loads_tolerant,
+    match_tool_name,
+)
+from turbospark.metrics import Counter, Registry, render, routes
+from turbospark.request import Tool
+from turbospark.scripted import ScriptedChatModel
+from turbospark.testing import LiveServer
+from turbospark.toolcalls import ToolFamily, detect_family, make_tool_parser
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ('{"a": 1}', {"a": 1}),
+        ('{"a": 1,}', {"a": 1}),
+        ("{'a': 'it\\'s'}", {"a": "it's"}),
+        ("{a: True, b: None, c: False}", {"a": True, "b": None, "c": False}),
+        ('```json\n{"a": [1, 2,]}\n```', {"a": [1, 2]}),
+        ('{"a": {"b": "unclosed', {"a": {"b": "unclosed"}}),
+        ('{"a": 1 "b": 2}', {"a": 1, "b": 2}),
+        ('Here you go: {"x": null} -- done', {"x": None}),
+        ('{"a": 1, // a comment\n "b": /* inline */ 2}', {"a": 1, "b": 2}),
+        ('{"s": "line\nbreak"}', {"s": "line\nbreak"}),
+        ("[1, 2, 3", [1, 2, 3]),
+    ],
+)
+def test_tolerant_json(text: str, value: Any) -> None:
+    got, repaired = loads_tolerant(text)
+    assert got == value
+    assert repaired == (text != json.dumps(value) and text not in ('{"a": 1}',))
+
+
+def test_tolerant_json_gives_up_on_prose() -> None:
+    with pytest.raises(JsonRepairError):
+        loads_tolerant("no json here at all")
+
+
+def test_name_matching() -> None:
+    names = ["get_weather", "get_time", "search_files"]
+    assert match_tool_name("get_weather", names) == "get_weather"
+    assert match_tool_name("GetWeather", names) == "get_weather"
+    assert match_tool_name("get-time", names) == "get_time"
+    assert match_tool_name("functions.search_files", names) == "search_files"
+    assert match_tool_name("get_wether", names) == "get_weather"
+    assert match_tool_name("send_email", names) is None
+    assert match_tool_name("get_weathr", ["get_weather", "get_weathers"]) is None  # ambiguous: no guess
+
+
+def test_schema_coercion_and_errors() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer"},
+            "x": {"type": "number"},
+            "flag": {"type": "boolean"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "opt": {"type": "object", "properties": {"k": {"type": "string"}}},
+            "mode": {"type": "string", "enum": ["fast", "slow"], "default": "fast"},
+            "ref": {"$ref": "#/$defs/point"},
+            "either": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+        },
+        "required": ["n", "mode"],
+        "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+    }
+    ok = check_arguments(
+        {
+            "n": "7",
+            "x": "2.5",
+            "flag": "false",
+            "tags": "a",
+            "opt": '{"k": "v"}',
+            "ref": {"x": 1.0},
+            "either": "s",
+        },
+        schema,
+    )
+    assert ok.errors == [] and ok.coerced
+    assert ok.value == {
+        "n": 7,
+        "x": 2.5,
+        "flag": False,
+        "tags": ["a"],
+        "opt": {"k": "v"},
+        "ref": {"x": 1},
+        "either": "s",
+        "mode": "fast",
+    }
+    untouched = check_arguments({"n": 1, "mode": "slow", "either": 3}, schema)
+    assert untouched.errors == [] and not untouched.coerced
+    bad = check_arguments({"n": "seven", "mode": "medium", "ref": {}}, schema)
+    assert len(bad.errors) == 3
+
+
+def test_finalize_call_steps_and_switches() -> None:
+    tools = {
+        "get_weather": Tool(
+            "get_weather", parameters={"type": "object", "properties": {"days": {"type": "integer"}}}
+        )
+    }
+    on = GuardrailConfig()
+    result = finalize_call("getWeather", '{"days": "2",}', tools, on)
+    assert isinstance(result, CheckedCall)
+    assert (result.name, json.loads(result.arguments)) == ("get_weather", {"days": 2})
+    assert set(result.repairs) == {"json", "arguments_string", "name", "schema"}
+    off = GuardrailConfig(enabled=False)
+    assert isinstance(finalize_call("getWeather", '{"days": "2",}', tools, off), Rejected)
+    passthrough = finalize_call("getWeather", {"days": "2"}, tools, off)
+    assert (
+        isinstance(passthrough, CheckedCall) and passthrough.name == "getWeather" and not passthrough.repairs
+    )
+    no_names = GuardrailConfig(match_names=False)
+    assert isinstance(finalize_call("getWeather", {}, tools, no_names), CheckedCall)
+    assert isinstance(finalize_call("get_weather", [1], tools, on), Rejected)
+
+
+def _run(family: ToolFamily, text: str, guardrails: GuardrailConfig) -> tuple[str, list[tuple[str, Any]]]:
+    tools = [Tool("get_weather", parameters={"type": "object", "properties": {"city": {"type": "string"}}})]
+    parser = make_tool_parser(TEMPLATES[family.value], tools, guardrails)
+    assert parser is not None
+    events = parser.feed(text) + parser.finish()
+    names = [e.name for e in events if isinstance(e, ToolCallStart)]
+    args = [json.loads(e.delta) for e in events if isinstance(e, ToolCallArgs)]
+    return "".join(e.text for e in events if isinstance(e, TextDelta)), list(zip(names, args, strict=True))
+
+
+def test_guardrails_off_returns_malformed_calls_as_text() -> None:
+    broken = "<tool_call>\n{'name': 'get_weather', 'arguments': {'city': 'Paris'}}\n</tool_call>"
+    assert _run(ToolFamily.HERMES, broken, GuardrailConfig()) == ("", [("get_weather", {"city": "Paris"})])
+    assert _run(ToolFamily.HERMES, broken, GuardrailConfig(enabled=False)) == (broken, [])
+    fenced = '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'
+    assert _run(ToolFamily.HERMES, fenced, GuardrailConfig(enabled=False)) == (fenced, [])
+    unclosed = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    assert _run(ToolFamily.HERMES, unclosed, GuardrailConfig(enabled=False)) == (unclosed, [])
+
+
+def test_no_parser_without_tools() -> None:
+    assert make_tool_parser(TEMPLATES["hermes"], [], GuardrailConfig()) is None
+
+
+@pytest.mark.parametrize("family", list(ToolFamily))
+def test_family_from_template(family: ToolFamily) -> None:
+    assert detect_family(TEMPLATES[family.value]) is family
+    assert detect_family(None) is ToolFamily.HERMES
+
+
+@pytest.mark.parametrize("marker", ["[TOOL_CALLS]", "<|python_tag|>"])
+def test_special_markers_are_single_special_tokens(marker: str) -> None:
+    """The corpus pipeline test relies on these being skipped-by-default special tokens."""
+    tokenizer = family_tokenizer("mistral")
+    ids = tokenizer.encode(marker + "x")
+    assert len(ids) == 2 and ids[0] in tokenizer.special_ids
+    assert tokenizer.decode(ids) == "x"
+
+
+def test_metrics_text_format() -> None:
+    registry = Registry()
+    hits: Counter = registry.counter("demo_total", "A demo counter", ["outcome"])
+    hits.inc(outcome="ok")
+    hits.inc(2, outcome='we"ird')
+    gauge = registry.gauge("demo_level", "A gauge")
+    registry.on_collect(lambda: gauge.set(1.5))
+    text = registry.render()
+    assert "# TYPE demo_total counter" in text
+    assert 'demo_total{outcome="ok"} 1' in text
+    assert 'demo_total{outcome="we\\"ird"} 2' in text
+    assert "demo_level 1.5" in text
+    with pytest.raises(ValueError):
+        hits.inc(kind="x")
+
+
+def test_metrics_route_counts_tool_calls() -> None:
+    from starlette.applications import Starlette
+    from starlette.testclient import TestClient
+
+    before = render()
+    assert 'turbospark_tool_calls_total{outcome="returned_as_text"}' in before
+    client = TestClient(Starlette(routes=routes()))
+    response = client.get("/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    assert "turbospark_tool_calls_total" in response.text
+
+
+def test_unrepairable_call_over_http_is_text_and_counted() -> None:
+    from turbospark.metrics import TOOL_CALLS
+
+    raw = '<tool_call>\n{"name": "launch_rocket", "arguments": {}}\n</tool_call>'
+    before = TOOL_CALLS.get(outcome="returned_as_text")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    with LiveServer([ScriptedChatModel([raw])]) as srv:
+        body = {"model": "scripted", "messages": [{"role": "user", "content": "go"}], "tools": tools}
+        choice = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=30).json()["choices"][0]
+    assert choice["message"]["content"] == raw and "tool_calls" not in choice["message"]
+    assert choice["finish_reason"] == "stop"
+    assert TOOL_CALLS.get(outcome="returned_as_text") == before + 1

@@ -105,11 +105,15 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.data.to(dtype))
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight (out, in) as the kernel sees it, in `dtype`."""
-        codes = torch.stack([self.nibbles & 0xF, self.nibbles >> 4], dim=-1).to(dtype)  # (out, in / 2, 2)
-        codes = codes.view(self.out_features, -1, self.group_size)  # (out, groups, group_size)
+        """The weight (out, in) as the kernel sees it, in `dtype`: code * scale + (zero - 8 * scale)."""
+        codes = torch.empty(self.out_features, self.in_features // 2, 2, dtype=torch.uint8)
+        torch.bitwise_and(self.nibbles, 0xF, out=codes[..., 0])
+        torch.bitwise_right_shift(self.nibbles, 4, out=codes[..., 1])
         sz = self.scales_and_zeros.transpose(0, 1).to(dtype)  # (out, groups, 2)
-        w = (codes - 8) * sz[..., :1] + sz[..., 1:]
+        scales = sz[..., :1]
+        offsets = sz[..., 1:] - 8 * scales
+        w = torch.empty(self.out_features, self.in_features // self.group_size, self.group_size, dtype=dtype)
+        torch.addcmul(offsets, codes.view(w.shape).to(dtype), scales, out=w)
         return w.view(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

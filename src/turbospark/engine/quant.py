@@ -24,13 +24,20 @@ QUANT_MODES = ("int8", "int4")
 # At this many tokens per matmul (a prefill chunk) the weight is expanded to the activation
 # dtype and run through the dense (AMX / BLAS) matmul: the int kernels are built for few rows.
 MIN_ROWS_TO_DEQUANTIZE = 32
+QUANT_CHUNK_ROWS = 4096
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, in) float -> int8 (out, in) and per-row scales (out,) float32."""
-    w = weight.float()
-    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # (out,)
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    out_features = weight.shape[0]
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(out_features, dtype=torch.float32, device=weight.device)
+    # in row chunks: a 150k x 1k embedding would otherwise need several float32 copies at once
+    for start in range(0, out_features, QUANT_CHUNK_ROWS):
+        w = weight[start : start + QUANT_CHUNK_ROWS].float()
+        s = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # (rows,)
+        q[start : start + QUANT_CHUNK_ROWS] = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+        scales[start : start + QUANT_CHUNK_ROWS] = s
     return q, scales
 
 

@@ -114,6 +114,8 @@ def bytes_per_token(model: torch.nn.Module, context: int) -> int:
         if "embed_tokens" in name or name == "rotary":
             continue  # one embedding row per token; rotary reads one row per token too
         for t in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)):
+            if getattr(mod, "nibbles", None) is t:
+                continue  # int4's prefill copy of the codes: decode never reads it
             total += t.numel() * t.element_size()
     cfg = model.config  # type: ignore[attr-defined]
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * context

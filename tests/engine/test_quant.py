@@ -14,6 +14,7 @@ from tiny_models import FAMILIES, checkpoint
 from turbospark.engine.layers import Linear
 from turbospark.engine.models import build_model
 from turbospark.engine.quant import (
+    MIN_ROWS_TO_DEQUANTIZE,
     Int4Linear,
     Int8Linear,
     auto_quant,
@@ -43,6 +44,24 @@ def test_int8_kernel_equals_the_dequantized_matmul() -> None:
     torch.testing.assert_close(
         Int8Linear(lin, torch.float32)(x), x @ dequant.T + lin.bias, atol=1e-4, rtol=1e-4
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_prefill_path_equals_the_kernel_path(dtype: torch.dtype) -> None:
+    lin = Int8Linear(float_linear(96, 64, bias=True), dtype)
+    x = torch.randn(MIN_ROWS_TO_DEQUANTIZE + 8, 64).to(dtype)
+    dense = lin(x)  # dequantized weight, dense matmul
+    rows = torch.cat([lin(x[i : i + 1]) for i in range(x.shape[0])])  # the int8 kernel
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the weight is rounded after scaling
+    torch.testing.assert_close(dense.float(), rows.float(), atol=tol * float(rows.abs().max()), rtol=0)
+
+
+def test_int4_prefill_path_equals_the_kernel_path() -> None:
+    lin = Int4Linear(float_linear(96, 128, bias=True), torch.bfloat16, 32)
+    x = torch.randn(MIN_ROWS_TO_DEQUANTIZE + 8, 128).bfloat16()
+    dense = lin(x).float()  # nibbles -> bf16 weight, dense matmul
+    rows = torch.cat([lin(x[i : i + 1]) for i in range(x.shape[0])]).float()  # the int4 kernel
+    torch.testing.assert_close(dense, rows, atol=2e-2 * float(rows.abs().max()), rtol=0)
 
 
 def test_int4_kernel_equals_the_dequantized_matmul() -> None:

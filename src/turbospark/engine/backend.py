@@ -141,6 +141,7 @@ def load_backend(
         # a quantized GGUF dequantizes straight to the compute dtype: half the float32 peak
         load_kwargs["dtype"] = torch_dtype
     ckpt = load_checkpoint(spec, **load_kwargs)
+    _release_freed_memory()  # the loader's dequantization scratch, before the model's own
     model_max = int(ckpt.config.get("max_position_embeddings", DEFAULT_MAX_CONTEXT))
     context = min(max_context or DEFAULT_MAX_CONTEXT, model_max)
     if quant == "auto":

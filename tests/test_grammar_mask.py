@@ -176,6 +176,21 @@ def test_named_tool_and_parallel_calls() -> None:
         assert result["calls"] and {c["name"] for c in result["calls"]} == {"get_time"}
 
 
+def test_newline_after_the_last_parallel_call_ends_the_turn() -> None:
+    """Qwen2.5 writes "\\n" after its last `</tool_call>`, then EOS: under parallel calls that
+    newline must not commit the grammar to another call."""
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n</tool_call>\n'
+    _, registry = _backend(call)
+    request = _request(tools=[WEATHER, TIME], tool_choice=ToolChoice(ToolChoiceMode.REQUIRED))
+    request.sampling.temperature = 0.0
+    events = asyncio.run(run_choice(make_plan(request, registry)))
+    result = summarize(events)
+    assert result["calls"] == [
+        {"name": "get_time", "id": result["calls"][0]["id"], "arguments": {"timezone": "UTC"}}
+    ]
+    assert result["text"] == "" and events[-1].reason == "tool_calls"  # type: ignore[union-attr]
+
+
 def test_json_schema_response_format_20_of_20() -> None:
     _, registry = _backend("It is sunny and warm in Paris today!")
     fmt = ResponseFormat("json_schema", schema=SCHEMA, name="weather", strict=True)

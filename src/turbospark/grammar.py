@@ -200,7 +200,11 @@ def tool_call_grammar(
     else:
         body = g.rule(" | ".join(_json_call(g, t, "arguments") for t in tools))
     call = g.rule(f'{open_tag} "\\n" {body} "\\n" {close_tag}')
-    return g.rule(f'{call} ("\\n" {call})*' if parallel else call)
+    sequence = f'{call} ("\\n" {call})*' if parallel else call
+    # Qwen2.5 ends its last call with "\n" before the end of turn; without the optional newline
+    # that "\n" would commit a parallel grammar to another call (a 0.5B model then repeats its
+    # call until max_tokens).
+    return g.rule(f'{sequence} "\\n"?')
 
 
 def response_schema(fmt: ResponseFormat) -> dict[str, Any] | None:

@@ -131,7 +131,7 @@ def load_backend(
     progress: bool = True,
 ) -> RealChatModel:
     """Loads a checkpoint (path, hub-cache id or bundled name) and returns its backend."""
-    from turbospark.engine.loader import load_checkpoint
+    from turbospark.engine.loader import DEFAULT_MODEL, load_checkpoint
     from turbospark.engine.models import build_model
     from turbospark.tokenizer import Tokenizer
 
@@ -150,7 +150,9 @@ def load_backend(
         quant = auto_quant(ckpt.tensors)
     model = build_model(ckpt.config, ckpt.tensors, device, torch_dtype, quant=quant, max_positions=context)
     tokenizer = Tokenizer(ckpt.tokenizer, ckpt.tokenizer_config)
-    name = ckpt.name
+    # The embedded default is served as "smollm2", the name the README's requests use (and
+    # "claude-turbospark-smollm2" for Claude Code), not as its display name SmolLM2-135M-Instruct.
+    name = DEFAULT_MODEL if spec.strip() in ("", DEFAULT_MODEL) else ckpt.name
     del ckpt  # the float checkpoint tensors are no longer needed once the model holds its own
     _release_freed_memory()
     return RealChatModel(name, model, tokenizer, max_context=context, device=device)

@@ -126,6 +126,22 @@ def test_bitmask_on_padded_vocab_and_torch_path() -> None:
     assert all(i < tokenizer.vocab_size for i in allowed)
 
 
+def test_bitmask_numpy_and_torch_paths_agree() -> None:
+    """float32 CPU logits are masked in numpy (one thread); other dtypes and devices in torch."""
+    tokenizer = trained_bpe_tokenizer()
+    padded = tokenizer.vocab_size + 50
+    matcher = make_matcher(f"start: r\nr: {_json_rule(SCHEMA)}\n", tokenizer, padded, "response_format")
+    matcher.consume_tokens(tokenizer.encode('{"city": "Pa'))
+    bits = matcher.compute_bitmask()
+    masked = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(padded, generator=torch.Generator().manual_seed(0)).to(dtype)
+        apply_bitmask(logits, bits, padded)
+        masked[dtype] = torch.isfinite(logits)
+    assert torch.equal(masked[torch.float32], masked[torch.bfloat16])
+    assert 0 < int(masked[torch.float32].sum()) < tokenizer.vocab_size
+
+
 def _backend(reply: str, tokenizer: Tokenizer | None = None) -> tuple[ScriptedChatModel, ModelRegistry]:
     backend = ScriptedChatModel([reply], tokenizer=tokenizer)
     registry = ModelRegistry()

@@ -182,3 +182,27 @@ def test_sampling_within_top_p_matches_the_renormalized_head() -> None:
     draws = [sample(logits_of(PROBS), config, gen, [], []).token_id for _ in range(4000)]
     assert set(draws) == {0, 1}
     assert abs(draws.count(0) / 4000 - 0.625) < 0.03
+
+
+def test_sample_runs_on_one_thread_and_restores_the_count() -> None:
+    """The vocabulary-wide work runs with one intra-op thread (see `sample`); the caller's
+    thread count is back afterwards, and the draws are those of a one-thread caller."""
+    logits = torch.randn(50_000, generator=torch.Generator().manual_seed(3))
+    seen: list[int] = []
+
+    def spy(generated_ids, row) -> None:
+        seen.append(torch.get_num_threads())
+
+    before = torch.get_num_threads()
+    try:
+        draws = {}
+        for num_threads in (2, 1):
+            torch.set_num_threads(num_threads)
+            gen = make_generator(11)
+            config = cfg(temperature=0.8, top_p=0.95, processors=[spy])
+            draws[num_threads] = [sample(logits, config, gen, [], []).token_id for _ in range(20)]
+            assert torch.get_num_threads() == num_threads
+        assert draws[2] == draws[1]
+        assert set(seen) == {1}
+    finally:
+        torch.set_num_threads(before)

@@ -133,6 +133,8 @@ def test_numerics_defaults() -> None:
     assert resolve_numerics("cpu", None, None) == (torch.float32, None)
     assert resolve_numerics("cpu", None, "none") == (torch.float32, None)
     assert resolve_numerics("cpu", None, "auto") == (torch.bfloat16, "auto")
+    assert resolve_numerics("cpu", "float32", "auto") == (torch.float32, None)  # float weights asked for
+    assert resolve_numerics("cpu", "bfloat16", "auto") == (torch.bfloat16, None)
     assert resolve_numerics("cpu", "float32", "int8") == (torch.float32, "int8")
     assert resolve_numerics("cuda", None, "auto") == (torch.bfloat16, None)
     with pytest.raises(ValueError, match="CPU only"):

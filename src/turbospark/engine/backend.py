@@ -6,11 +6,11 @@ itself already steps many sequences at once. Images are refused by name: none of
 here has a vision tower.
 
 Picking the numerics (`load_backend`): `device` is "cpu" or "cuda[:n]"; `quant` is "int8" or
-"int4" (weight-only, CPU kernels), None or "none" for float weights, or "auto": on CPU int4 when the
-checkpoint's weights already lie on a 4-bit grid (a Q4 GGUF, so int4 loses nothing) and int8
-otherwise; no quantization elsewhere. `dtype` is the activation / float-weight dtype, by default
-bfloat16 with a quantized path (the fast one for those kernels), float32 for a float path on
-CPU and bfloat16 on CUDA.
+"int4" (weight-only, CPU kernels), None or "none" for float weights, or "auto" (the default):
+on CPU with no dtype given, int4 when the checkpoint's weights already lie on a 4-bit grid (a Q4
+GGUF, so int4 loses nothing) and int8 otherwise; float weights on other devices or when a dtype
+is given. `dtype` is the activation / float-weight dtype, by default bfloat16 with a quantized
+path (the fast one for those kernels), float32 for a float path on CPU and bfloat16 on CUDA.
 """
 
 from __future__ import annotations
@@ -108,8 +108,8 @@ def resolve_numerics(device: str, dtype: str | None, quant: str | None) -> tuple
     is_cpu = torch.device(device).type == "cpu"
     if quant == "none":
         quant = None
-    if quant == "auto" and not is_cpu:
-        quant = None
+    if quant == "auto" and (not is_cpu or dtype is not None):
+        quant = None  # an explicit dtype asks for float weights of that dtype
     if quant is not None and not is_cpu:
         raise ValueError(f"quantization {quant!r} runs on CPU only for now")
     if dtype is None:

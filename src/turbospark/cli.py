@@ -28,7 +28,7 @@ def load_model(spec: str, args: argparse.Namespace) -> ChatModel:
     from turbospark.engine.backend import load_backend
 
     backend: ChatModel = load_backend(
-        spec, device=args.device, dtype=args.dtype, max_context=args.max_context
+        spec, device=args.device, dtype=args.dtype, max_context=args.max_context, quant=args.quant
     )
     return backend
 
@@ -136,6 +136,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     s.add_argument("--dtype", default=None, help="weight dtype (default: the engine's choice for the device)")
     s.add_argument("--max-context", type=int, default=None, help="cap the context length")
+    s.add_argument(
+        "--quant",
+        choices=["auto", "int8", "int4", "none"],
+        default="auto",
+        help="weight-only quantization (auto: int4 for Q4 GGUF weights, else int8, on CPU)",
+    )
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=serve)
 
@@ -152,6 +158,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--device", default="cpu")
     c.add_argument("--dtype", default=None)
     c.add_argument("--max-context", type=int, default=None)
+    c.add_argument("--quant", choices=["auto", "int8", "int4", "none"], default="auto")
     c.set_defaults(func=chat, log_level="warning")
     return p
 

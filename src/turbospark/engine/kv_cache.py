@@ -14,6 +14,8 @@ from collections.abc import Iterable
 
 import torch
 
+from turbospark.engine.attention import AttentionBackend, AttentionMetadata, CpuAttention
+
 
 class BlockAllocator:
     """Free-list of block ids. Lowest ids go first, so a lone sequence gets contiguous blocks
@@ -54,11 +56,30 @@ class BlockAllocator:
         assert sorted(self._free) == [b for b, f in enumerate(self._is_free) if f]
 
 
+class LayerCache:
+    """One layer's share of the cache, handed to that layer's attention."""
+
+    __slots__ = ("backend", "k", "v")
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, backend: AttentionBackend) -> None:
+        self.k = k
+        self.v = v
+        self.backend = backend
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Stores the step's k/v and attends; q (num_tokens, num_heads, head_dim) -> (num_tokens,
+        num_heads * head_dim)."""
+        return self.backend.forward(q, k, v, self.k, self.v, meta, scale)
+
+
 class KVCache:
     """Keys and values for every layer: two tensors (num_layers, num_kv_heads, num_slots, head_dim).
 
     Head-major, so one sequence's keys for a head are a (kv_len, head_dim) run of memory: the
-    layout both SDPA and the decode matmuls read without a copy.
+    layout both SDPA and the decode matmuls read without a copy. `attention` is the backend that
+    reads and writes this layout (`CpuAttention` unless given).
     """
 
     def __init__(
@@ -70,7 +91,9 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        attention: AttentionBackend | None = None,
     ) -> None:
+        self.attention: AttentionBackend = attention or CpuAttention()
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -84,8 +107,8 @@ class KVCache:
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[index], self.v[index]
+    def layer(self, index: int) -> LayerCache:
+        return LayerCache(self.k[index], self.v[index], self.attention)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size

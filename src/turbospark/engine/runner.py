@@ -17,8 +17,8 @@ import torch
 
 from turbospark.backend import CancelFlag, CompletionResult, GenerationConfig, ProgressCallback
 from turbospark.decode import run_decode_loop
+from turbospark.engine.attention import build_attention_metadata
 from turbospark.engine.kv_cache import KVCache
-from turbospark.engine.layers import build_attention_metadata
 from turbospark.engine.models import Model
 
 

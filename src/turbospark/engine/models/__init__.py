@@ -16,8 +16,9 @@ from typing import Any, Protocol
 
 import torch
 
+from turbospark.engine.attention import AttentionMetadata
 from turbospark.engine.kv_cache import KVCache
-from turbospark.engine.layers import AttentionMetadata, PrepareLinear, load_weights
+from turbospark.engine.layers import PrepareLinear, load_weights
 
 
 class ArchConfig(Protocol):

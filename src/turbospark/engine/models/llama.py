@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from turbospark.engine.kv_cache import KVCache
+from turbospark.engine.attention import AttentionMetadata
+from turbospark.engine.kv_cache import KVCache, LayerCache
 from turbospark.engine.layers import (
-    AttentionMetadata,
     Embedding,
     Linear,
     PrepareLinear,
@@ -24,7 +24,6 @@ from turbospark.engine.layers import (
     RotaryEmbedding,
     apply_rotary,
     fuse_linears,
-    paged_attention,
 )
 
 
@@ -88,8 +87,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: LayerCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         # x: (num_tokens, hidden)
@@ -99,9 +97,7 @@ class Attention(nn.Module):
         qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.num_heads + self.num_kv_heads :]
-        out = paged_attention(
-            q, k, v, k_cache, v_cache, meta, self.scale
-        )  # (num_tokens, num_heads * head_dim)
+        out = kv.attend(q, k, v, meta, self.scale)  # (num_tokens, num_heads * head_dim)
         return self.o_proj(out)  # type: ignore[no-any-return]
 
 
@@ -137,11 +133,10 @@ class DecoderLayer(nn.Module):
         self,
         h: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: LayerCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, k_cache, v_cache, meta)
+        h = h + self.self_attn(self.input_layernorm(h), rope, kv, meta)
         return h + self.mlp(self.post_attention_layernorm(h))  # type: ignore[no-any-return]
 
 
@@ -190,7 +185,6 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
         rope = self.rotary(positions)
         for i, layer in enumerate(self.model.layers):
-            k_cache, v_cache = kv_cache.layer(i)
-            h = layer(h, rope, k_cache, v_cache, meta)
+            h = layer(h, rope, kv_cache.layer(i), meta)
         h = h[meta.last_token_indices]  # (num_seqs, hidden)
         return self.lm_head(self.model.norm(h)).float()  # type: ignore[no-any-return]

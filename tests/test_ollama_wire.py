@@ -16,8 +16,8 @@ from turbospark.api.ollama import (
     parse_think,
 )
 from turbospark.backend import ReasoningEffort
+from turbospark.engine.scheduler import SchedulerConfig
 from turbospark.errors import ApiError
-from turbospark.queue import GenerationQueue
 from turbospark.ratecontrol import RateControl
 from turbospark.scripted import ScriptedChatModel
 from turbospark.testing import LiveServer
@@ -245,9 +245,9 @@ def test_names_as_ollama_lists_them() -> None:
 
 
 def slow_backend(reply_len: int = 2000) -> tuple[ScriptedChatModel, RateControl]:
-    backend = ScriptedChatModel(["z" * reply_len])
     control = RateControl(200)
-    backend.configure(rate=control, queue=GenerationQueue(max_active=1, max_waiting=0, retry_after=2))
+    scheduler = SchedulerConfig(max_active=1, max_waiting=0, retry_after=2)
+    backend = ScriptedChatModel(["z" * reply_len], scheduler=scheduler, rate=control)
     return backend, control
 
 

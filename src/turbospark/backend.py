@@ -22,8 +22,6 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from turbospark.queue import GenerationQueue
-    from turbospark.ratecontrol import RateControl
     from turbospark.tokenizer import Tokenizer
 
 
@@ -166,10 +164,6 @@ class ChatModel(Protocol):
         on_progress: ProgressCallback,
     ) -> CompletionResult: ...
 
-    def rate_control(self) -> RateControl | None: ...
-
-    def generation_queue(self) -> GenerationQueue | None: ...
-
     def guardrails(self) -> GuardrailConfig: ...
 
     def default_reasoning(self) -> ReasoningEffort: ...
@@ -184,8 +178,6 @@ class BackendDefaults:
     _default_reasoning: ReasoningEffort = ReasoningEffort.OFF
     _default_system: str | None = None
     _guardrails: GuardrailConfig = GuardrailConfig()
-    _queue: GenerationQueue | None = None
-    _rate: RateControl | None = None
 
     def aliases(self) -> list[str]:
         # Claude Code's gateway discovery keeps only ids starting with "claude" or "anthropic".
@@ -199,12 +191,6 @@ class BackendDefaults:
 
     def encode(self, texts: Sequence[str]) -> list[list[float]]:
         raise BackendError(f"model {self.model_id!r} does not support embeddings")
-
-    def rate_control(self) -> RateControl | None:
-        return self._rate
-
-    def generation_queue(self) -> GenerationQueue | None:
-        return self._queue
 
     def guardrails(self) -> GuardrailConfig:
         return self._guardrails
@@ -221,8 +207,6 @@ class BackendDefaults:
         default_system: str | None = None,
         default_reasoning: ReasoningEffort | None = None,
         guardrails: GuardrailConfig | None = None,
-        queue: GenerationQueue | None = None,
-        rate: RateControl | None = None,
     ) -> None:
         """Process-level settings from the CLI, applied once at start-up."""
         if default_system is not None:
@@ -231,7 +215,3 @@ class BackendDefaults:
             self._default_reasoning = default_reasoning
         if guardrails is not None:
             self._guardrails = guardrails
-        if queue is not None:
-            self._queue = queue
-        if rate is not None:
-            self._rate = rate

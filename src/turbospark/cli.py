@@ -10,25 +10,56 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from turbospark.backend import BackendDefaults, ChatModel, GuardrailConfig, ReasoningEffort
-from turbospark.queue import GenerationQueue
-from turbospark.ratecontrol import RateControl
+from turbospark.engine.scheduler import SchedulerConfig
+from turbospark.ratecontrol import RateControl, parse_thermal_steps, temperature_source
 from turbospark.registry import ModelRegistry
-from turbospark.scripted import ScriptedChatModel
+from turbospark.scripted import DEMO_MAX_CONTEXT, DEMO_REPLY, ScriptedChatModel
 
 log = logging.getLogger("turbospark")
 
 
-def load_model(spec: str, args: argparse.Namespace) -> ChatModel:
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_active=getattr(args, "max_active", 8),
+        max_waiting=getattr(args, "max_waiting", 64),
+        max_batched_tokens=getattr(args, "max_batched_tokens", 256),
+    )
+
+
+def rate_control(args: argparse.Namespace) -> RateControl:
+    """The process-wide cap every engine paces against."""
+    steps = getattr(args, "thermal_steps", None)
+    source = getattr(args, "thermal_source", None)
+    return RateControl(
+        getattr(args, "max_decode_rate", None),
+        thermal_steps=parse_thermal_steps(steps) if steps else (),
+        temperature=temperature_source(source or ("auto" if steps else None)),
+    )
+
+
+def load_model(spec: str, args: argparse.Namespace, rate: RateControl | None = None) -> ChatModel:
     if spec == "scripted" or spec.startswith("scripted:"):
         replies = None
         if spec.startswith("scripted:"):
             path = Path(spec.split(":", 1)[1])
             replies = [r for r in path.read_text(encoding="utf-8").split("\n---\n") if r]
-        return ScriptedChatModel(replies) if replies else ScriptedChatModel()
+        return ScriptedChatModel(
+            replies or (DEMO_REPLY,),
+            max_context=args.max_context or DEMO_MAX_CONTEXT,
+            scheduler=scheduler_config(args),
+            rate=rate,
+        )
     from turbospark.engine.backend import load_backend
 
     backend: ChatModel = load_backend(
-        spec, device=args.device, dtype=args.dtype, max_context=args.max_context, quant=args.quant
+        spec,
+        device=args.device,
+        dtype=args.dtype,
+        max_context=args.max_context,
+        quant=args.quant,
+        kv_cache_gb=getattr(args, "kv_cache_gb", None),
+        scheduler=scheduler_config(args),
+        rate=rate,
     )
     return backend
 
@@ -38,16 +69,14 @@ def load_into(registry: ModelRegistry, args: argparse.Namespace) -> None:
     system = args.system
     if args.system_file:
         system = Path(args.system_file).read_text(encoding="utf-8")
-    rate = RateControl(args.max_decode_rate)
+    rate = rate_control(args)
     for spec in args.model or ["smollm2"]:
-        backend = load_model(spec, args)
+        backend = load_model(spec, args, rate)
         if isinstance(backend, BackendDefaults):
             backend.configure(
                 default_system=system,
                 default_reasoning=ReasoningEffort(args.reasoning) if args.reasoning else None,
                 guardrails=GuardrailConfig(enabled=not args.no_guardrails),
-                queue=GenerationQueue(max_active=args.max_active, max_waiting=args.max_waiting),
-                rate=rate,
             )
         registry.add(backend)
         registry.num_loading -= 1
@@ -131,8 +160,28 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", action="append", help="require this key (Bearer or x-api-key); repeatable")
     s.add_argument("--no-guardrails", action="store_true", help="turn tool-call repair and validation off")
     s.add_argument("--max-decode-rate", type=float, help="cap decoded tokens per second, process-wide")
-    s.add_argument("--max-active", type=int, default=1, help="generations running at once per model")
+    s.add_argument(
+        "--thermal-steps",
+        help="lower the decode-rate cap as the temperature rises: TEMP:RATE,... (e.g. 70:20,80:5)",
+    )
+    s.add_argument(
+        "--thermal-source",
+        help="where temperatures come from: auto (default with --thermal-steps), linux, nvml, file:PATH",
+    )
+    s.add_argument("--max-active", type=int, default=8, help="sequences batched together per model")
     s.add_argument("--max-waiting", type=int, default=64, help="requests waiting per model before 429")
+    s.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=256,
+        help="tokens one engine step feeds (prompt chunks and decodes together)",
+    )
+    s.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        default=None,
+        help="KV-cache budget per model in GiB (default: a fifth of free memory, at most 8)",
+    )
     s.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     s.add_argument("--dtype", default=None, help="weight dtype (default: the engine's choice for the device)")
     s.add_argument("--max-context", type=int, default=None, help="cap the context length")

@@ -146,6 +146,55 @@ for _outcome in ("ok", "repaired", "returned_as_text"):
     TOOL_CALLS.declare(outcome=_outcome)
 
 
+ENGINE_STATE = gauge(
+    "turbospark_engine_state",
+    "Engine state per model: running and waiting sequences, KV blocks used and total",
+    ["model", "what"],
+)
+ENGINE_EVENTS = counter(
+    "turbospark_engine_events_total",
+    "Engine totals per model: prefix-cache hit tokens, preemptions",
+    ["model", "what"],
+)
+TOKENS = counter("turbospark_tokens_total", "Tokens through the engine: prompt (fed) and generated", ["kind"])
+_LATENCY = {"first_token": [0.0, 0.0], "inter_token": [0.0, 0.0]}
+
+
+def set_engine_state(
+    model: str,
+    *,
+    running: int,
+    waiting: int,
+    blocks_used: int,
+    blocks_total: int,
+    prefix_hit_tokens: int,
+    preemptions: int,
+) -> None:
+    for what, value in (
+        ("running", running),
+        ("waiting", waiting),
+        ("kv_blocks_used", blocks_used),
+        ("kv_blocks_total", blocks_total),
+    ):
+        ENGINE_STATE.set(value, model=model, what=what)
+    with _lock:
+        ENGINE_EVENTS.values[(model, "prefix_hit_tokens")] = prefix_hit_tokens
+        ENGINE_EVENTS.values[(model, "preemptions")] = preemptions
+
+
+def count_step(num_fed: int, num_generated: int) -> None:
+    TOKENS.inc(num_fed, kind="prompt")
+    TOKENS.inc(num_generated, kind="generated")
+
+
+def observe_first_token(seconds: float) -> None:
+    pass
+
+
+def observe_inter_token(seconds: float) -> None:
+    pass
+
+
 async def metrics_endpoint(request: Request) -> Response:
     return PlainTextResponse(render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 

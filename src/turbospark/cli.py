@@ -9,6 +9,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from turbospark import metrics
 from turbospark.backend import BackendDefaults, ChatModel, GuardrailConfig, ReasoningEffort
 from turbospark.engine.scheduler import SchedulerConfig
 from turbospark.ratecontrol import RateControl, parse_thermal_steps, temperature_source
@@ -70,6 +71,7 @@ def load_into(registry: ModelRegistry, args: argparse.Namespace) -> None:
     if args.system_file:
         system = Path(args.system_file).read_text(encoding="utf-8")
     rate = rate_control(args)
+    metrics.watch_rate(rate)
     for spec in args.model or ["smollm2"]:
         backend = load_model(spec, args, rate)
         if isinstance(backend, BackendDefaults):

@@ -403,5 +403,5 @@ def processors_for_plan(plan: Plan) -> list[LogitsProcessor]:
                 may_open_think=may_think and not plan.start_in_reasoning,
             )
         )
-        GRAMMAR_REQUESTS.inc(kind=kind)
+        GRAMMAR_REQUESTS.labels(kind=kind).inc()
     return out

@@ -7,6 +7,7 @@ limits) that handlers read through `turbospark.api.common.state_of`.
 from __future__ import annotations
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -34,6 +35,6 @@ def create_app(state: ServerState) -> Starlette:
     routes += responses.routes()
     routes += ollama.routes()
     routes += metrics.routes()
-    app = Starlette(routes=routes)
+    app = Starlette(routes=routes, middleware=[Middleware(metrics.RequestMetrics)])
     app.state.server = state
     return app

@@ -117,6 +117,7 @@ class Engine:
                 self._thread = threading.Thread(target=self._loop, name=f"engine-{self.name}", daemon=True)
                 self._thread.start()
                 _engines.add(self)
+                metrics.watch_engine(self)
         return seq
 
     def run(
@@ -152,6 +153,12 @@ class Engine:
             if cancel.is_set():
                 item.token_ids = delivered
                 item.finish_reason = FinishReason.CANCELLED
+            metrics.observe_request(
+                self.name,
+                time.monotonic() - seq.arrival_time,
+                prompt_tokens=item.num_prompt_tokens,
+                finish_reason=item.finish_reason.value,
+            )
             return item
 
     def stop(self, wait: float | None = None) -> None:
@@ -223,16 +230,16 @@ class Engine:
                 seq.token_ids.append(event.token_id)
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-                    metrics.observe_first_token(now - seq.arrival_time)
+                    metrics.observe_first_token(self.name, now - seq.arrival_time)
                 else:
-                    metrics.observe_inter_token(now - (seq.last_token_time or now))
+                    metrics.observe_inter_token(self.name, now - (seq.last_token_time or now))
                 seq.last_token_time = now
                 seq.emit(event)
                 emitted += 1
                 if seq.num_generated >= seq.max_new_tokens:
                     self.scheduler.finish(seq, FinishReason.LENGTH)
             self._export_gauges()
-        metrics.count_step(batch.num_tokens - emitted, emitted)
+        metrics.count_step(self.name, batch.num_tokens, emitted)
         self.num_steps += 1
         self.step_seconds += forward_done - forward_started
         self.overhead_seconds += (time.perf_counter() - started) - (forward_done - forward_started)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import platform
 import random
@@ -37,6 +38,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,10 +66,16 @@ FILLER = (
 )
 
 
-def make_prompt(i: int, input_len: int) -> str:
-    """About `input_len` tokens (a word is ~1.3 tokens); a distinct opening per request, so
-    the prefix cache does not turn the benchmark into a cache benchmark."""
-    head = f"Request {i}. Write a very long story about {TOPICS[i % len(TOPICS)]}. Never stop early. "
+_RUN = uuid.uuid4().hex[:8]
+_serial = itertools.count()
+
+
+def make_prompt(input_len: int) -> str:
+    """About `input_len` tokens (a word is ~1.3 tokens). Every prompt of a run, and of every
+    run, opens differently, so no scenario finds another's prompts in the prefix cache (only
+    the chat template's shared head is cached, as in real serving)."""
+    i = next(_serial)
+    head = f"Request {_RUN}-{i}. Write a very long story about {TOPICS[i % len(TOPICS)]}. Never stop early. "
     words = head.split()
     filler = FILLER.split()
     while len(words) * 1.3 < input_len:
@@ -135,7 +143,7 @@ async def one_request(
 
 async def warm_up(url: str, model: str) -> None:
     async with new_client() as client:
-        result = await one_request(client, url, model, make_prompt(999, 16), 4)
+        result = await one_request(client, url, model, make_prompt(16), 4)
     if not result.ok:
         raise SystemExit(f"warm-up request failed: {result.error or 'no content'}")
 
@@ -162,7 +170,7 @@ def new_client(rcvbuf: int | None = None) -> httpx.AsyncClient:
 async def closed_loop(
     args: argparse.Namespace, url: str, model: str, concurrency: int
 ) -> tuple[list[Result], float]:
-    prompts = [make_prompt(i, args.input_len) for i in range(args.num_prompts)]
+    prompts = [make_prompt(args.input_len) for _ in range(args.num_prompts)]
     todo = list(enumerate(prompts))
     results: list[Result] = []
 
@@ -179,7 +187,7 @@ async def closed_loop(
 
 async def poisson(args: argparse.Namespace, url: str, model: str) -> tuple[list[Result], float]:
     rng = random.Random(args.seed)
-    prompts = [make_prompt(i, args.input_len) for i in range(args.num_prompts)]
+    prompts = [make_prompt(args.input_len) for _ in range(args.num_prompts)]
     async with new_client() as client:
         started = time.perf_counter()
         tasks = []
@@ -195,7 +203,7 @@ async def slow_reader(
 ) -> tuple[list[Result], float]:
     """8 streams at once; with `slow`, the last one reads one chunk per `--slow-delay` seconds
     through a 4 KiB receive buffer. Returns the results of all 8 (the slow one last)."""
-    prompts = [make_prompt(100 + i, args.input_len) for i in range(8)]
+    prompts = [make_prompt(args.input_len) for _ in range(8)]
     async with new_client() as fast, new_client(rcvbuf=4096) as lagging:
         started = time.perf_counter()
         tasks = [one_request(fast, url, model, p, args.output_len) for p in prompts[:7]]
@@ -214,7 +222,7 @@ async def slow_reader(
 
 def engine_totals(url: str) -> dict[str, float]:
     """Step time by part, steps and generated tokens, summed over the served models."""
-    totals = {"forward": 0.0, "overhead": 0.0, "steps": 0.0, "generated": 0.0}
+    totals = {"forward": 0.0, "overhead": 0.0, "steps": 0.0, "generated": 0.0, "prefix_hits": 0.0}
     try:
         text = httpx.get(f"{url}/metrics", timeout=30).text
     except httpx.HTTPError:
@@ -227,6 +235,8 @@ def engine_totals(url: str) -> dict[str, float]:
                 totals["steps"] += s.value
             elif s.name == "turbospark_generation_tokens_total":
                 totals["generated"] += s.value
+            elif s.name == "turbospark_prefix_cache_hit_tokens_total":
+                totals["prefix_hits"] += s.value
     return totals
 
 
@@ -276,6 +286,7 @@ def summarize(s: Scenario) -> dict[str, Any]:
         "engine_steps": s.engine["steps"],
         "engine_overhead_share": s.engine["overhead"] / step_time if step_time else float("nan"),
         "engine_step_ms": 1000.0 * step_time / s.engine["steps"] if s.engine["steps"] else float("nan"),
+        "prefix_cache_hit_tokens": s.engine["prefix_hits"],
         "tokens_per_step": s.engine["generated"] / s.engine["steps"] if s.engine["steps"] else float("nan"),
     }
 
@@ -302,6 +313,7 @@ def print_summary(m: dict[str, Any]) -> None:
         f"({m['engine_steps']:.0f} steps, {m['engine_step_ms']:.1f} ms/step, "
         f"{m['tokens_per_step']:.2f} tokens/step)"
     )
+    print(f"{'engine: prefix-cache hit tokens':<36}{m['prefix_cache_hit_tokens']:.0f}")
 
 
 def hardware() -> str:

@@ -60,6 +60,7 @@ class Row:
     input_tokens: int | None = None  # message_start usage as sent
     cached_tokens: int = 0
     output_tokens: int = 0
+    start_s: float | None = None  # to message_start: the request was accepted
     ttft_s: float | None = None
     decode_tps: float | None = None
     wall_s: float | None = None
@@ -154,8 +155,14 @@ def usage_into(row: Row, usage: dict[str, Any] | None) -> None:
         row.output_tokens = int(usage["output_tokens"])
 
 
-def replay_one(client: httpx.Client, url: str, api_key: str, body: dict[str, Any], row: Row) -> None:
-    """One streaming POST /v1/messages; fills row (an error is recorded, not raised)."""
+def replay_one(
+    client: httpx.Client, url: str, api_key: str, body: dict[str, Any], row: Row, limit: float
+) -> None:
+    """One streaming POST /v1/messages; fills row (an error is recorded, not raised).
+
+    Gives up (closing the stream, which cancels the generation) after `limit` seconds in all:
+    the server's pings keep a plain read timeout from ever firing.
+    """
     start = time.perf_counter()
     first_delta = last_delta = None
     usage_start: dict[str, Any] = {}
@@ -169,6 +176,10 @@ def replay_one(client: httpx.Client, url: str, api_key: str, body: dict[str, Any
                 return
             event = None
             for line in resp.iter_lines():
+                if time.perf_counter() - start > limit:
+                    where = "no content yet" if first_delta is None else "decoding"
+                    row.error = f"gave up after {limit:.0f} s ({where})"
+                    break
                 if line.startswith("event:"):
                     event = line[6:].strip()
                     continue
@@ -177,6 +188,7 @@ def replay_one(client: httpx.Client, url: str, api_key: str, body: dict[str, Any
                 data = json.loads(line[5:])
                 kind = data.get("type", event)
                 if kind == "message_start":
+                    row.start_s = time.perf_counter() - start
                     usage_start = data["message"].get("usage") or {}
                     usage_into(row, usage_start)
                 elif kind == "content_block_delta":
@@ -350,14 +362,15 @@ def replay(
             if not args.no_count:
                 row.prompt_tokens = count_tokens(client, url, args.api_key, body)
             print(f"> {row.label} (prompt {fmt(row.prompt_tokens, 'd')} tokens) ...", flush=True)
-            replay_one(client, url, args.api_key, body, row)
+            replay_one(client, url, args.api_key, body, row, args.timeout)
             rows.append(row)
             if row.error:
-                print(f"  FAILED: {row.error}", flush=True)
+                print(f"  FAILED: {row.error} (message_start after {fmt(row.start_s, '.2f')} s)", flush=True)
                 continue
             print(
-                f"  TTFT {fmt(row.ttft_s, '.2f')} s, cached {row.cached_tokens}, {row.output_tokens} out, "
-                f"wall {fmt(row.wall_s, '.2f')} s, stop {row.stop_reason}: {row.text[:80]!r}",
+                f"  message_start {fmt(row.start_s, '.2f')} s, TTFT {fmt(row.ttft_s, '.2f')} s, "
+                f"cached {row.cached_tokens}, {row.output_tokens} out, wall {fmt(row.wall_s, '.2f')} s, "
+                f"stop {row.stop_reason}: {row.text[:80]!r}",
                 flush=True,
             )
     return model, rows, bodies
@@ -403,7 +416,9 @@ def main() -> None:
     p.add_argument("--api-key", default="dummy")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens sent with every request")
     p.add_argument("--only", type=int, help="replay only the first N requests")
-    p.add_argument("--timeout", type=float, default=1800, help="read timeout per request, seconds")
+    p.add_argument(
+        "--timeout", type=float, default=1800, help="give up on a request after this many seconds in all"
+    )
     p.add_argument("--connect-timeout", type=float, default=10)
     p.add_argument("--no-count", action="store_true", help="skip /v1/messages/count_tokens")
     p.add_argument("--llama", default="cold,reuse", help="llama.cpp passes: cold,reuse | cold | reuse | none")

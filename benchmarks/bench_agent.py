@@ -284,8 +284,7 @@ def run_llama(gguf: Path, prompts: list[list[int]], rows: list[Row], threads: in
     llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
     if "cold" in modes:
         for ids, row in zip(prompts, rows, strict=True):
-            llm.reset()
-            llm._ctx.memory_clear(True)
+            llm.reset()  # n_tokens = 0: eval() drops every cached position first
             start = time.perf_counter()
             llm.eval(ids)
             row.llama_cold_s = time.perf_counter() - start
@@ -295,12 +294,10 @@ def run_llama(gguf: Path, prompts: list[list[int]], rows: list[Row], threads: in
             )
     if "reuse" in modes:
         llm.reset()
-        llm._ctx.memory_clear(True)
         previous: list[int] = []
         for ids, row in zip(prompts, rows, strict=True):
             keep = min(common_prefix(previous, ids), len(ids) - 1)  # at least one token is evaluated
-            llm.n_tokens = keep
-            llm._ctx.memory_seq_rm(0, keep, -1)
+            llm.n_tokens = keep  # eval() drops the cached positions from here on, keeps the prefix
             start = time.perf_counter()
             llm.eval(ids[keep:])
             row.llama_reuse_s = time.perf_counter() - start

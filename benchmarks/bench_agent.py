@@ -282,6 +282,7 @@ def run_llama(gguf: Path, prompts: list[list[int]], rows: list[Row], threads: in
 
     n_ctx = max(len(p) for p in prompts) + 16
     llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
+    llm.eval(prompts[0][:8])  # warm-up: the first decode allocates the compute graph
     if "cold" in modes:
         for ids, row in zip(prompts, rows, strict=True):
             llm.reset()  # n_tokens = 0: eval() drops every cached position first
@@ -395,6 +396,12 @@ def llama_side(args: argparse.Namespace, model: str, rows: list[Row], bodies: li
         rendered = [vocab.tokenize(json.dumps(b).encode(), add_bos=False) for b in bodies]
     for r, ids in zip(rows, rendered, strict=True):
         print(f"  {r.label}: rendered {len(ids)} tokens, the server counted {r.prompt_tokens}", flush=True)
+    if any(len(ids) != n for ids, n in zip(rendered, counts, strict=True)):
+        print(
+            "  the served model renders other token counts than this GGUF: llama.cpp prefills the "
+            "server's counts, but its kept-prefix column then says little",
+            flush=True,
+        )
     prompts = [fit(ids, int(n or 0)) for ids, n in zip(rendered, counts, strict=True)]
     for r, ids in zip(rows, prompts, strict=True):
         r.llama_tokens = len(ids)

@@ -285,7 +285,7 @@ def run_llama(gguf: Path, prompts: list[list[int]], rows: list[Row], threads: in
     llm.eval(prompts[0][:8])  # warm-up: the first decode allocates the compute graph
     if "cold" in modes:
         for ids, row in zip(prompts, rows, strict=True):
-            llm.reset()  # n_tokens = 0: eval() drops every cached position first
+            llm.n_tokens = 0  # eval() drops every cached position from here on
             start = time.perf_counter()
             llm.eval(ids)
             row.llama_cold_s = time.perf_counter() - start
@@ -294,7 +294,7 @@ def run_llama(gguf: Path, prompts: list[list[int]], rows: list[Row], threads: in
                 flush=True,
             )
     if "reuse" in modes:
-        llm.reset()
+        llm.n_tokens = 0
         previous: list[int] = []
         for ids, row in zip(prompts, rows, strict=True):
             keep = min(common_prefix(previous, ids), len(ids) - 1)  # at least one token is evaluated

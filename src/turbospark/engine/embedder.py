@@ -121,7 +121,8 @@ def pool(hidden: torch.Tensor, seq_of_token: torch.Tensor, lengths: torch.Tensor
         pooled = hidden[ends - 1]
     elif mode == "max":
         start = hidden.new_full((num_seqs, hidden.shape[1]), float("-inf"))
-        pooled = start.index_reduce_(0, seq_of_token, hidden, "amax")
+        index = seq_of_token[:, None].expand_as(hidden)
+        pooled = start.scatter_reduce(0, index, hidden, "amax")
     else:
         sums = hidden.new_zeros(num_seqs, hidden.shape[1]).index_add_(0, seq_of_token, hidden)
         scale = lengths.to(hidden.dtype)[:, None]

@@ -23,12 +23,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-WORDS = (
+_WORD_LIST = (
     "the a model server request client token vector search query document answer cat dog market "
     "stock price city river mountain weather forecast quickly slowly because although small large "
     "green red blue engine memory cache batch thread core fast slow read write learn build ship "
     "running tested measured compared embedded sentence meaning similar different"
-).split()
+)
+WORDS = _WORD_LIST.split()
 
 
 def sentences(count: int, seed: int = 0) -> list[str]:
@@ -73,14 +74,18 @@ def main() -> None:
         return vectors
 
     engines = {"turbospark": ours_encode, "sentence-transformers": st_encode}
-    for name, encode in engines.items():  # warm-up: first-call allocations, lazy imports
+    for encode in engines.values():  # warm-up: first-call allocations, lazy imports
         run(encode, texts[:32], 32)
         run(encode, texts[:4], 1)
     print(
         f"all-MiniLM-L6-v2 float32, {args.threads} threads, {len(texts)} sentences, "
-        f"{min(lengths)}-{max(lengths)} tokens (mean {statistics.mean(lengths):.0f}), torch {torch.__version__}"
+        f"{min(lengths)}-{max(lengths)} tokens (mean {statistics.mean(lengths):.0f}), "
+        f"torch {torch.__version__}"
     )
-    print("| batch | turbospark sent/s | sentence-transformers sent/s | ratio (median) | max cosine distance |")
+    head = (
+        "| batch | turbospark sent/s | sentence-transformers sent/s | ratio (median) | max cosine distance |"
+    )
+    print(head)
     print("| ---: | ---: | ---: | ---: | ---: |")
     for batch in (1, 32):
         rates: dict[str, list[float]] = {name: [] for name in engines}

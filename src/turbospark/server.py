@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from turbospark import __version__, metrics
-from turbospark.api import anthropic, ollama, openai, operations, responses
+from turbospark.api import anthropic, embeddings, ollama, openai, operations, responses
 from turbospark.api.common import ServerState, state_of
 
 
@@ -33,6 +33,7 @@ def create_app(state: ServerState) -> Starlette:
     routes += openai.routes()
     routes += responses.routes()
     routes += ollama.routes()
+    routes += embeddings.routes()
     routes += metrics.routes()
     app = Starlette(routes=routes)
     app.state.server = state

@@ -147,16 +147,15 @@ def test_requests_start_in_arrival_order_and_a_full_line_refuses_at_once() -> No
     runner = CountingReplay(300)
     engine = Engine(runner, scheduler, max_context=4096, name="fifo")
     cancels = [threading.Event() for _ in range(21)]
-    with engine._lock:  # nothing is admitted while the 20 line up
-        seqs = [
-            engine.submit(
-                [i + 1] * (5 + i), GenerationConfig(max_new_tokens=3), cancels[i], Replay([1, 2, 3])
-            )
-            for i in range(20)
-        ]
-        with pytest.raises(EngineOverloaded) as refused:
-            engine.submit([9], GenerationConfig(max_new_tokens=3), cancels[20], Replay([1]))
-        assert refused.value.retry_after > 0
+    # each prompt token costs 10 ms, so the line is still full when the 21st arrives
+    slow = [Replay([1, 2, 3], seconds_per_prompt_token=0.01) for _ in range(21)]
+    seqs = [
+        engine.submit([i + 1] * (5 + i), GenerationConfig(max_new_tokens=3), cancels[i], slow[i])
+        for i in range(20)
+    ]
+    with pytest.raises(EngineOverloaded) as refused:
+        engine.submit([9], GenerationConfig(max_new_tokens=3), cancels[20], slow[20])
+    assert refused.value.retry_after > 0
     deadline = time.monotonic() + 30
     while scheduler.has_work() and time.monotonic() < deadline:
         time.sleep(0.01)

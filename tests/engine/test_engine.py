@@ -196,3 +196,34 @@ def test_a_cancel_in_prefill_stops_within_one_step() -> None:
     assert result.finish_reason is FinishReason.CANCELLED and result.token_ids == []
     assert seq.num_computed_tokens < 117  # the prompt was not finished
     assert engine.scheduler.blocks.num_used_blocks == 0
+
+
+def test_64_concurrent_long_requests_all_complete_within_the_kv_budget() -> None:
+    """64 requests whose contexts together need ~5x the cache: preempted and recomputed, none
+    lost, every one the length it asked for, the cache never past its blocks."""
+    cfg, tensors, _ = checkpoint(FAMILIES["llama"], seed=5, init_std=1.0)
+    model = build_model(cfg, tensors)
+    engine = engine_for(model, num_blocks=96, max_active=64, max_batched_tokens=64)
+    blocks = engine.scheduler.blocks
+    peak = 0
+
+    class Watch:
+        def __init__(self, inner) -> None:
+            self.inner = inner
+            self.vocab_size = inner.vocab_size
+
+        def execute(self, batch):
+            nonlocal peak
+            peak = max(peak, blocks.num_used_blocks)
+            return self.inner.execute(batch)
+
+    engine.runner = Watch(engine.runner)
+    rng = random.Random(11)
+    requests = [[rng.randrange(3, 250) for _ in range(rng.randint(10, 40))] for _ in range(64)]
+    configs = [
+        GenerationConfig(max_new_tokens=24, temperature=0.0, stop_token_ids=frozenset()) for _ in requests
+    ]
+    got = run_all(engine, requests, configs)
+    assert all(len(tokens) == 24 for tokens in got)
+    assert peak <= blocks.num_blocks and engine.scheduler.num_preemptions > 0
+    assert blocks.num_used_blocks == 0

@@ -50,6 +50,10 @@ def load_model(spec: str, args: argparse.Namespace, rate: RateControl | None = N
             scheduler=scheduler_config(args),
             rate=rate,
         )
+    from turbospark.engine.embedder import is_encoder_spec, load_embedding_model
+
+    if is_encoder_spec(spec):  # an encoder (BERT) folder or the packaged all-minilm-l6-v2
+        return load_embedding_model(spec, device=args.device, dtype=args.dtype, max_context=args.max_context)
     from turbospark.engine.backend import load_backend
 
     backend: ChatModel = load_backend(
@@ -65,6 +69,21 @@ def load_model(spec: str, args: argparse.Namespace, rate: RateControl | None = N
     return backend
 
 
+def model_specs(args: argparse.Namespace) -> list[str]:
+    """--model as given; without it the embedded chat model plus the packaged embedding model
+    (when its package is installed)."""
+    if args.model:
+        return list(args.model)
+    from turbospark.engine.loader import EMBEDDING_MODEL, ModelNotFound, embedding_model_path
+
+    try:
+        embedding_model_path()
+    except ModelNotFound as exc:
+        log.warning("serving no embedding model: %s", exc)
+        return ["smollm2"]
+    return ["smollm2", EMBEDDING_MODEL]
+
+
 def load_into(registry: ModelRegistry, args: argparse.Namespace) -> None:
     """Loads every --model into the registry; /health answers 503 until the last one is in."""
     system = args.system
@@ -72,7 +91,7 @@ def load_into(registry: ModelRegistry, args: argparse.Namespace) -> None:
         system = Path(args.system_file).read_text(encoding="utf-8")
     rate = rate_control(args)
     metrics.watch_rate(rate)
-    for spec in args.model or ["smollm2"]:
+    for spec in model_specs(args):
         backend = load_model(spec, args, rate)
         if isinstance(backend, BackendDefaults):
             backend.configure(
@@ -96,7 +115,8 @@ def serve(args: argparse.Namespace) -> int:
         log.error("--system-file %s: no such file", args.system_file)
         return 2
     registry = ModelRegistry(fallback=args.fallback_model)
-    registry.num_loading = len(args.model or ["smollm2"])
+    args.model = model_specs(args)
+    registry.num_loading = len(args.model)
     app = create_app(ServerState(registry=registry, api_keys=keys))
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
@@ -152,7 +172,8 @@ def parser() -> argparse.ArgumentParser:
         "--model",
         action="append",
         help="a GGUF path, a Hugging Face folder or cached id, a pulled name (qwen2.5-coder:0.5b), "
-        "'scripted' (a demo backend with no weights), or 'smollm2' (the embedded default); repeatable",
+        "'scripted' (a demo backend with no weights), 'smollm2' (the embedded default) or "
+        "'all-minilm-l6-v2' (the packaged embedding model); repeatable (default: both of those)",
     )
     s.add_argument("--fallback-model", help="serve requests for unknown model ids with this model")
     group = s.add_mutually_exclusive_group()

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from turbospark import __version__, metrics
-from turbospark.api import anthropic, ollama, openai, operations, responses
+from turbospark.api import anthropic, embeddings, ollama, openai, operations, responses
 from turbospark.api.common import ServerState, state_of
 
 
@@ -34,6 +34,7 @@ def create_app(state: ServerState) -> Starlette:
     routes += openai.routes()
     routes += responses.routes()
     routes += ollama.routes()
+    routes += embeddings.routes()
     routes += metrics.routes()
     app = Starlette(routes=routes, middleware=[Middleware(metrics.RequestMetrics)])
     app.state.server = state

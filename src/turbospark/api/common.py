@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from turbospark.api.fields import parse_json_object
+from turbospark.backend import ChatModel
 from turbospark.errors import ApiError, ErrorKind
 from turbospark.registry import ModelRegistry
 
@@ -44,6 +45,15 @@ class ServerState:
 def state_of(request: Request) -> ServerState:
     server: ServerState = request.app.state.server
     return server
+
+
+def model_kinds(backend: ChatModel) -> list[str]:
+    """What a model serves, for the model listings: "completion" and/or "embedding". A backend
+    may declare it (`capabilities`, as the embedding backend does); else it follows the protocol."""
+    declared = getattr(backend, "capabilities", None)
+    if declared is not None:
+        return list(declared)
+    return ["completion", "embedding"] if backend.supports_embeddings() else ["completion"]
 
 
 def check_auth(request: Request) -> None:

@@ -32,7 +32,15 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from turbospark.api import fields as f
-from turbospark.api.common import endpoint, prime, read_json, retry_headers, state_of, until_disconnect
+from turbospark.api.common import (
+    endpoint,
+    model_kinds,
+    prime,
+    read_json,
+    retry_headers,
+    state_of,
+    until_disconnect,
+)
 from turbospark.api.openai import parse_tools
 from turbospark.backend import ChatModel, ReasoningEffort
 from turbospark.chat_template import CHATML_TEMPLATE
@@ -586,6 +594,8 @@ def _digest(model_id: str) -> str:
 
 
 def capabilities(backend: ChatModel) -> list[str]:
+    if "completion" not in model_kinds(backend):
+        return model_kinds(backend)  # an embedding model: ["embedding"]
     tokenizer = backend.tokenizer
     template = tokenizer.chat_template or ""
     caps = ["completion"]
@@ -610,6 +620,7 @@ async def tags(request: Request) -> Response:
             "size": _size(b),
             "digest": _digest(b.model_id),
             "details": model_details(b),
+            "capabilities": capabilities(b),
         }
         for b in registry.backends()
     ]
@@ -670,6 +681,8 @@ async def show(request: Request) -> Response:
         f"{arch}.context_length": backend.max_context,
         f"{arch}.vocab_size": backend.vocab_size,
     }
+    if getattr(backend, "dimensions", None):
+        info[f"{arch}.embedding_length"] = backend.dimensions  # type: ignore[attr-defined]
     num_parameters = int(getattr(backend, "num_parameters", 0) or 0)
     if num_parameters:
         info["general.parameter_count"] = num_parameters

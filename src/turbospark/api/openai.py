@@ -7,7 +7,7 @@ are built as plain dicts and serialized with orjson: this is the per-token hot p
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import orjson
@@ -18,6 +18,7 @@ from starlette.routing import Route
 from turbospark.api import fields as f
 from turbospark.api.common import (
     endpoint,
+    model_kinds,
     new_id,
     prime,
     read_json,
@@ -653,8 +654,9 @@ async def completions(request: Request) -> Response:
 # ---------------------------------------------------------------- /v1/models
 
 
-def model_entry(model_id: str, created: int) -> dict[str, Any]:
-    """One shape both SDKs parse: OpenAI's fields plus Anthropic's (type, display_name, created_at)."""
+def model_entry(model_id: str, created: int, kinds: Sequence[str] = ("completion",)) -> dict[str, Any]:
+    """One shape both SDKs parse: OpenAI's fields plus Anthropic's (type, display_name, created_at),
+    and `capabilities` (["completion"], ["embedding"] or both) for clients that pick an embedder."""
     return {
         "id": model_id,
         "object": "model",
@@ -663,13 +665,15 @@ def model_entry(model_id: str, created: int) -> dict[str, Any]:
         "type": "model",
         "display_name": model_id,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
+        "capabilities": list(kinds),
     }
 
 
 async def list_models(request: Request) -> Response:
     registry = state_of(request).registry
-    ids = [name for b in registry.backends() for name in (b.model_id, *b.aliases())]
-    data = [model_entry(i, registry.created) for i in ids]
+    named = [(name, b) for b in registry.backends() for name in (b.model_id, *b.aliases())]
+    ids = [name for name, _ in named]
+    data = [model_entry(name, registry.created, model_kinds(b)) for name, b in named]
     return JSONResponse(
         {
             "object": "list",
@@ -687,7 +691,7 @@ async def get_model(request: Request) -> Response:
     backend = registry.lookup(name)
     if backend is None:
         raise ApiError(ErrorKind.NOT_FOUND, f"model {name!r} not found", param="model")
-    return JSONResponse(model_entry(name, registry.created))
+    return JSONResponse(model_entry(name, registry.created, model_kinds(backend)))
 
 
 def routes() -> list[Route]:

@@ -4,6 +4,9 @@ Adding a family is adding one file `<model_type>.py` here that defines `ModelCon
 `from_dict`) and `CausalLM(config, max_positions)` with `checkpoint_names()`, `finalize(prepare)` and
 `forward(input_ids, positions, meta, kv_cache) -> logits (num_seqs, vocab)`. The registry is the
 set of modules in this package, so nothing else needs editing.
+
+An encoder family (`bert`, for embeddings) defines `EncoderModel(config)` instead of `CausalLM`;
+`build_encoder` builds it and `build_model` refuses it by name.
 """
 
 from __future__ import annotations
@@ -60,6 +63,11 @@ def _family(model_type: str) -> Any:
     return importlib.import_module(f"{__name__}.{model_type}")
 
 
+def is_encoder(model_type: str) -> bool:
+    """True for an encoder-only family (embeddings, no causal LM), such as "bert"."""
+    return model_type in supported_model_types() and hasattr(_family(model_type), "EncoderModel")
+
+
 def build_model(
     config: Mapping[str, Any],
     tensors: Mapping[str, torch.Tensor],
@@ -76,6 +84,10 @@ def build_model(
     `max_positions` bounds the rotary table (default: the config's max_position_embeddings).
     """
     family = _family(str(config.get("model_type")))
+    if not hasattr(family, "CausalLM"):
+        raise ValueError(
+            f"model_type {config.get('model_type')!r} is an encoder: it makes embeddings and cannot generate"
+        )
     cfg = family.ModelConfig.from_dict(dict(config))
     device = torch.device(device)
     model = family.CausalLM(cfg, max_positions or cfg.max_position_embeddings)
@@ -91,3 +103,31 @@ def build_model(
     model.finalize(prepare)
     model.eval()
     return model  # type: ignore[no-any-return]
+
+
+def build_encoder(
+    config: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Any:
+    """Builds an encoder family's `EncoderModel` from an HF-style config and HF-named weights.
+
+    Weights saved from a task model (`BertForMaskedLM`, ...) carry a `<model_type>.` prefix on
+    the encoder's names; it is dropped so those checkpoints load too.
+    """
+    model_type = str(config.get("model_type"))
+    family = _family(model_type)
+    if not hasattr(family, "EncoderModel"):
+        raise ValueError(f"model_type {model_type!r} is a decoder, not an encoder")
+    model = family.EncoderModel(family.ModelConfig.from_dict(dict(config)))
+    names = model.checkpoint_names()
+    prefix = f"{model_type}."
+    if names and names[0] not in tensors and prefix + names[0] in tensors:
+        tensors = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+    device = torch.device(device)
+    load_weights(model, names, tensors, device, dtype, dtype)
+    model.dtype = dtype
+    model.finalize(lambda linear, role: linear)
+    model.eval()
+    return model

@@ -114,12 +114,14 @@ async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
     finally:
         if not task.done():
             task.cancel()
+            # Wait for the work to unwind (it gives its slot back only once its worker stopped);
+            # a cancelled task has no result to read.
+            with contextlib.suppress(BaseException):
+                await task
         watcher.cancel()
         with contextlib.suppress(BaseException):
             await watcher
     if task.cancelled():
-        with contextlib.suppress(BaseException):
-            await task
         raise ApiError(ErrorKind.INVALID_REQUEST, "client disconnected", status=499)
     return task.result()
 

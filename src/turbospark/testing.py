@@ -43,6 +43,7 @@ class LiveServer:
         *,
         state: ServerState | None = None,
         api_keys: Sequence[str] = (),
+        cors_origins: Sequence[str] = (),
     ) -> None:
         if state is None:
             registry = ModelRegistry()
@@ -52,7 +53,11 @@ class LiveServer:
         self.state = state
         self.port = free_port()
         config = uvicorn.Config(
-            create_app(state), host="127.0.0.1", port=self.port, log_level="warning", access_log=False
+            create_app(state, cors_origins=cors_origins),
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            access_log=False,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -48,7 +48,7 @@ class GenerationQueue:
         except BaseException:
             if waiter.done() and not waiter.cancelled():
                 self._release_one()  # the permit arrived as we were cancelled: pass it on
-            else:
+            elif waiter in self._waiters:  # a release may already have dropped the cancelled waiter
                 self._waiters.remove(waiter)
             raise
 

@@ -11,9 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 
-from turbospark.testing import ServerProcess
+from turbospark.scripted import ScriptedChatModel
+from turbospark.testing import LiveServer, ServerProcess
 
 LONG_REPLY = "tick " * 400  # 2,000 byte tokens: 10 s at the paced rate below
 
@@ -75,3 +77,64 @@ def test_client_that_gives_up_while_queued_leaves_the_line(one_slot: ServerProce
         assert next(line for line in lines if line).startswith("data: ")  # the holder still streams
     finishes(one_slot)
     assert_clean_log(one_slot)
+
+
+class FailsOnBoom(ScriptedChatModel):
+    """Raises mid-generation (after a few tokens) when the prompt says "boom"."""
+
+    def run_completion(self, prompt_ids, config, images, cancel, on_progress):  # type: ignore[no-untyped-def]
+        if "boom" not in self.tokenizer.decode(list(prompt_ids)):
+            return super().run_completion(prompt_ids, config, images, cancel, on_progress)
+        seen = 0
+
+        def progress(token):  # type: ignore[no-untyped-def]
+            nonlocal seen
+            seen += 1
+            if seen == 3:
+                raise RuntimeError("kernel fault in layer 7")
+            on_progress(token)
+
+        return super().run_completion(prompt_ids, config, images, cancel, progress)
+
+
+STREAMS = {
+    "openai": ("/v1/chat/completions", {"max_tokens": 50}),
+    "anthropic": ("/v1/messages", {"max_tokens": 50}),
+    "ollama": ("/api/chat", {}),
+}
+
+
+def test_a_failing_generation_ends_its_own_stream_with_an_error_event() -> None:
+    with LiveServer([FailsOnBoom(["all good here"])]) as server:
+        for api, (path, extra) in STREAMS.items():
+            body = {
+                "model": "scripted",
+                "stream": True,
+                "messages": [{"role": "user", "content": "boom"}],
+                **extra,
+            }
+            with httpx.stream("POST", server.url + path, json=body, timeout=30) as reply:
+                assert reply.status_code == 200
+                lines = [line for line in reply.iter_lines() if line]
+            last = lines[-1]
+            if api == "openai":
+                assert "kernel fault" in orjson.loads(last.removeprefix("data: "))["error"]["message"]
+            elif api == "anthropic":
+                assert lines[-2] == "event: error" and "kernel fault" in last
+            else:
+                assert "kernel fault" in orjson.loads(last)["error"]
+            # The next request on the same server is served as usual.
+            ok = httpx.post(server.url + "/v1/chat/completions", json=chat_body(False), timeout=30)
+            assert ok.json()["choices"][0]["message"]["content"] == "all good here"
+
+
+def test_a_model_file_that_cannot_load_names_the_file_and_the_reason(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\x00" * 64)
+    server = ServerProcess("--model", str(broken))
+    try:
+        assert server.proc.wait(timeout=120) != 0
+        log = server.log()
+        assert "broken.gguf" in log and "cannot load model" in log, log
+    finally:
+        server.__exit__(None, None, None)

@@ -59,6 +59,24 @@ def assert_error_envelope(path: str, status: int, content_type: str, body: bytes
         assert isinstance(data["error"], str) and data["error"], data
 
 
+def fuzz(operation: schemathesis.APIOperation, mode: GenerationMode) -> int:
+    """Runs `EXAMPLES` generated requests against one operation; returns how many were sent."""
+    sent = 0
+
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    def run(case: schemathesis.Case) -> None:
+        nonlocal sent
+        sent += 1
+        response = case.call_and_validate(checks=CHECKS)
+        if response.status_code >= 400:
+            content_type = response.headers.get("content-type", [""])[0]
+            assert_error_envelope(operation.path, response.status_code, content_type, response.content)
+
+    run()
+    return sent
+
+
 def test_fuzz_every_route_from_the_openapi_description() -> None:
     registry = ModelRegistry()
     registry.add(ScriptedChatModel(['Hi! <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>']))
@@ -69,31 +87,10 @@ def test_fuzz_every_route_from_the_openapi_description() -> None:
     for result in schema.get_all_operations():
         operation = result.ok()
         operations += 1
+        total += fuzz(operation, GenerationMode.POSITIVE)
         # Only bodies can be made invalid: a GET has none, and any path segment is a valid string.
-        negative = [GenerationMode.NEGATIVE] if operation.method.upper() == "POST" else []
-        modes = [GenerationMode.POSITIVE, *negative]
-        for mode in modes:
-
-            @given(case=operation.as_strategy(generation_mode=mode))
-            @settings(
-                max_examples=EXAMPLES,
-                deadline=None,
-                database=None,
-                suppress_health_check=list(HealthCheck),
-            )
-            def run(case: schemathesis.Case, path: str = operation.path) -> None:
-                nonlocal total
-                total += 1
-                response = case.call_and_validate(checks=CHECKS)
-                if response.status_code >= 400:
-                    assert_error_envelope(
-                        path,
-                        response.status_code,
-                        response.headers.get("content-type", [""])[0],
-                        response.content,
-                    )
-
-            run()
+        if operation.method.upper() == "POST":
+            total += fuzz(operation, GenerationMode.NEGATIVE)
     print(f"{total} generated requests over {operations} operations")
     assert operations >= 20
     assert total >= MIN_REQUESTS, f"only {total} requests were generated"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -12,6 +13,7 @@ from pathlib import Path
 from turbospark import metrics
 from turbospark.backend import BackendDefaults, ChatModel, GuardrailConfig, ReasoningEffort
 from turbospark.engine.scheduler import SchedulerConfig
+from turbospark.limits import Limits
 from turbospark.ratecontrol import RateControl, parse_thermal_steps, temperature_source
 from turbospark.registry import ModelRegistry
 from turbospark.scripted import DEMO_MAX_CONTEXT, DEMO_REPLY, ScriptedChatModel
@@ -92,7 +94,10 @@ def load_into(registry: ModelRegistry, args: argparse.Namespace) -> None:
     rate = rate_control(args)
     metrics.watch_rate(rate)
     for spec in model_specs(args):
-        backend = load_model(spec, args, rate)
+        try:
+            backend = load_model(spec, args, rate)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot load model {spec!r}: {type(exc).__name__}: {exc}") from exc
         if isinstance(backend, BackendDefaults):
             backend.configure(
                 default_system=system,
@@ -104,31 +109,72 @@ def load_into(registry: ModelRegistry, args: argparse.Namespace) -> None:
         log.info("serving %s (aliases: %s)", backend.model_id, ", ".join(backend.aliases()))
 
 
+class ModelLoadError(RuntimeError):
+    """A --model that cannot be loaded; the message names the model and the reason."""
+
+
+API_KEY_ENV = "TURBOSPARK_API_KEY"
+
+
+def api_keys(args: argparse.Namespace) -> frozenset[str]:
+    """Keys from --api-key, --api-key-file (one per line, '#' comments) and $TURBOSPARK_API_KEY."""
+    keys = [k.strip() for k in args.api_key or []]
+    if args.api_key_file:
+        text = Path(args.api_key_file).read_text(encoding="utf-8")
+        keys += [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    if os.environ.get(API_KEY_ENV, "").strip():
+        keys.append(os.environ[API_KEY_ENV].strip())
+    if any(not k for k in keys):
+        raise ValueError("an API key may not be empty")
+    return frozenset(keys)
+
+
+LIMIT_FLAGS = (
+    "max_body_bytes",
+    "max_messages",
+    "max_prompt_tokens",
+    "max_output_tokens",
+    "max_tools",
+    "max_image_bytes",
+    "max_image_pixels",
+)
+
+
+def limits_from(args: argparse.Namespace) -> Limits:
+    given = {name: getattr(args, name) for name in LIMIT_FLAGS if getattr(args, name, None) is not None}
+    return Limits(**given)
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from turbospark.api.common import ServerState
-    from turbospark.server import create_app
+    from turbospark.server import GracefulServer, create_app
 
-    keys = frozenset(args.api_key or [])
+    try:
+        keys = api_keys(args)
+    except (OSError, ValueError) as exc:
+        log.error("API keys: %s", exc)
+        return 2
     if args.system_file and not Path(args.system_file).is_file():
         log.error("--system-file %s: no such file", args.system_file)
         return 2
-    registry = ModelRegistry(fallback=args.fallback_model)
+    limits = limits_from(args)
+    registry = ModelRegistry(fallback=args.fallback_model, limits=limits)
     args.model = model_specs(args)
     registry.num_loading = len(args.model)
-    app = create_app(ServerState(registry=registry, api_keys=keys))
+    state = ServerState(registry=registry, api_keys=keys, max_body_bytes=limits.max_body_bytes)
+    app = create_app(state, cors_origins=args.cors_origins or ())
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
-    )
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    server = GracefulServer(config, state.shutdown, grace_seconds=args.shutdown_timeout)
 
     def load() -> None:
         try:
             load_into(registry, args)
         except Exception as exc:  # a model that cannot load stops the server with its reason
-            log.error("cannot load model: %s", exc)
+            log.error("%s", exc)
             server.should_exit = True
             failed.append(exc)
 
@@ -180,7 +226,24 @@ def parser() -> argparse.ArgumentParser:
     group.add_argument("--system", help="default system prompt for requests that carry none")
     group.add_argument("--system-file", help="read the default system prompt from this file")
     s.add_argument("--reasoning", choices=[e.value for e in ReasoningEffort], help="default reasoning effort")
-    s.add_argument("--api-key", action="append", help="require this key (Bearer or x-api-key); repeatable")
+    s.add_argument(
+        "--api-key",
+        action="append",
+        help=f"require this key (Bearer or x-api-key; /health stays open); repeatable; also read from "
+        f"${API_KEY_ENV}",
+    )
+    s.add_argument("--api-key-file", help="read API keys from this file, one per line")
+    s.add_argument(
+        "--cors-origins",
+        type=lambda v: [o.strip() for o in v.split(",") if o.strip()],
+        help="comma-separated origins browsers may call from ('*' for any); default: CORS off",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds running replies get to finish before they are ended (default 30)",
+    )
     s.add_argument("--no-guardrails", action="store_true", help="turn tool-call repair and validation off")
     s.add_argument("--max-decode-rate", type=float, help="cap decoded tokens per second, process-wide")
     s.add_argument(
@@ -214,6 +277,19 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         help="weight-only quantization (auto: int4 for Q4 GGUF weights, else int8, on CPU)",
     )
+    defaults = Limits()
+    limits = s.add_argument_group("request limits (each refused with a 4xx that names it)")
+    for flag, default, what in (
+        ("--max-body-bytes", defaults.max_body_bytes, "request body size"),
+        ("--max-messages", defaults.max_messages, "messages per request"),
+        ("--max-prompt-tokens", None, "prompt tokens (default: the model's context)"),
+        ("--max-output-tokens", defaults.max_output_tokens, "max_tokens a request may ask for"),
+        ("--max-tools", defaults.max_tools, "tools per request"),
+        ("--max-image-bytes", defaults.max_image_bytes, "bytes per image"),
+        ("--max-image-pixels", defaults.max_image_pixels, "pixels per image (read from its header)"),
+    ):
+        shown = "" if default is None else f" (default {default})"
+        limits.add_argument(flag, type=int, default=None, help=what + shown)
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=serve)
 

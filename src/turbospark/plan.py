@@ -14,6 +14,7 @@ from typing import Any
 from turbospark.backend import ChatModel, GenerationConfig, ReasoningEffort
 from turbospark.chat_template import CHATML_TEMPLATE, ChatTemplateError, render_chat_template
 from turbospark.errors import invalid
+from turbospark.limits import check_images, check_prompt_tokens, check_request
 from turbospark.registry import ModelRegistry
 from turbospark.request import ChatRequest, Message
 
@@ -98,10 +99,12 @@ def _with_default_system(messages: list[Message], system: str | None) -> list[Me
 
 
 def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
+    check_request(request, registry.limits)
     backend = registry.resolve(request.model)
     if backend.vision() is None and request.images():
         # Refused here, by name: a text-only template cannot even render image parts.
         raise invalid(f"model {backend.model_id!r} cannot read images: it has no vision tower", "messages")
+    check_images(request, registry.limits)
     tokenizer = backend.tokenizer
     effort = request.reasoning_effort or backend.default_reasoning()
     template = tokenizer.chat_template or CHATML_TEMPLATE
@@ -139,6 +142,7 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
     if not prompt_ids:
         raise invalid("the prompt is empty after rendering", "messages")
     num_prompt = len(prompt_ids)
+    check_prompt_tokens(num_prompt, registry.limits)
     if num_prompt >= backend.max_context:
         raise invalid(
             f"the prompt is {num_prompt} tokens, which does not fit model {backend.model_id!r}'s context of "

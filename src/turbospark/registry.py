@@ -10,11 +10,13 @@ import time
 
 from turbospark.backend import ChatModel
 from turbospark.errors import ApiError, ErrorKind
+from turbospark.limits import Limits
 
 
 class ModelRegistry:
-    def __init__(self, fallback: str | None = None) -> None:
+    def __init__(self, fallback: str | None = None, limits: Limits | None = None) -> None:
         self._backends: list[ChatModel] = []
+        self.limits = limits or Limits()  # per-request bounds, checked in plan.py
         self._by_name: dict[str, ChatModel] = {}
         self.fallback = fallback
         self.num_loading = 0  # models announced but not loaded yet: /health answers 503

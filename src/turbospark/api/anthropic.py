@@ -728,18 +728,18 @@ async def messages(request: Request) -> Response:
     chat = plan.request
     ident = new_id("msg_")
     if chat.stream:
-        return await _stream_message(plan, ident, state.ping_interval)
+        return await _stream_message(request, plan, ident, state.ping_interval)
     events = await until_disconnect(request, run_choice(plan))
     return Response(orjson.dumps(message_object(ident, chat.model, events)), media_type="application/json")
 
 
-async def _stream_message(plan: Plan, ident: str, ping_interval: float) -> Response:
+async def _stream_message(request: Request, plan: Plan, ident: str, ping_interval: float) -> Response:
     chat = plan.request
     # An error before the first event (a full queue, a prompt the backend refuses) is still a
     # plain HTTP error; anything after the stream started is an `event: error` frame. The first
     # event comes within one ping interval even while the request waits in line.
     stream = cast(AsyncGenerator[Event, None], stream_choice(plan, 0, ping_interval))
-    first, events = await prime(stream)
+    first, events = await prime(request, stream)
 
     start = {
         "type": "message_start",
@@ -775,7 +775,7 @@ async def _stream_message(plan: Plan, ident: str, ping_interval: float) -> Respo
             yield sse_event("error", error_body(exc))
         finally:
             with contextlib.suppress(BaseException):  # torn down on disconnect: stop generating
-                await stream.aclose()
+                await events.aclose()
 
     return sse_response(frames())
 

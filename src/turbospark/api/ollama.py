@@ -450,7 +450,7 @@ async def _generate(request: Request, chat_api: bool) -> Response:
         return _respond(_load_reply(chat.model, keep_alive, chat_api), chat.stream)
     plan = make_plan(chat, registry)
     if chat.stream:
-        return await _stream(plan, started, chat_api)
+        return await _stream(request, plan, started, chat_api)
 
     events = await until_disconnect(request, run_choice(plan))
     text: list[str] = []
@@ -482,10 +482,10 @@ async def _generate(request: Request, chat_api: bool) -> Response:
     return Response(orjson.dumps(reply), media_type="application/json")
 
 
-async def _stream(plan: Plan, started: float, chat_api: bool) -> Response:
+async def _stream(request: Request, plan: Plan, started: float, chat_api: bool) -> Response:
     chat = plan.request
     model = chat.model
-    first, events = await prime(stream_choice(plan, 0))
+    first, events = await prime(request, stream_choice(plan, 0))
 
     def line(
         content: str = "",
@@ -667,7 +667,8 @@ def _parameters(backend: ChatModel) -> str:
 async def show(request: Request) -> Response:
     body = await read_json(request)
     # LiteLLM and older clients send `name`; current ones send `model`.
-    name = f.string(body, "model") or f.string(body, "name")
+    model, name = f.string(body, "model"), f.string(body, "name")  # both checked, either used
+    name = model or name
     if not name:
         raise invalid("'model' is required", "model")
     registry = state_of(request).registry

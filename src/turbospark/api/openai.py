@@ -26,6 +26,7 @@ from turbospark.api.common import (
     sse_response,
     state_of,
     until_disconnect,
+    until_shutdown,
 )
 from turbospark.backend import ReasoningEffort
 from turbospark.errors import ApiError, ErrorKind, invalid
@@ -472,12 +473,12 @@ async def _stream_chat(
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return b"data: " + orjson.dumps({**head, "choices": [choice], **usage_null}) + b"\n\n"
 
-    first, events = await prime(stream_choice(plan, 0, ping))
+    first, events = await prime(request, stream_choice(plan, 0, ping))
 
     async def body() -> AsyncIterator[bytes]:
         finishes: list[Finish] = []
         for i in range(chat.n):
-            stream = events if i == 0 else stream_choice(plan, i, ping)
+            stream = events if i == 0 else until_shutdown(request, stream_choice(plan, i, ping))
             pending = [first] if i == 0 and first is not None else []
             yield chunk(i, {"role": "assistant", "content": ""})
             try:
@@ -604,13 +605,13 @@ async def completions(request: Request) -> Response:
         )
 
     ping = state_of(request).ping_interval
-    first, events = await prime(stream_choice(plan, 0, ping))
+    first, events = await prime(request, stream_choice(plan, 0, ping))
 
     async def body_stream() -> AsyncIterator[bytes]:
         finishes = []
         usage_null = {"usage": None} if include_usage else {}
         for i in range(chat.n):
-            stream_i = events if i == 0 else stream_choice(plan, i, ping)
+            stream_i = events if i == 0 else until_shutdown(request, stream_choice(plan, i, ping))
             pending = [first] if i == 0 and first is not None else []
             if echo:
                 choice = {"index": i, "text": prompt, "logprobs": None, "finish_reason": None}

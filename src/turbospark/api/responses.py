@@ -627,7 +627,7 @@ async def create_response(request: Request) -> Response:
         return Response(orjson.dumps(builder.response), media_type="application/json")
 
     ping = state_of(request).ping_interval
-    first, stream = await prime(stream_choice(plan, 0, ping))
+    first, stream = await prime(request, stream_choice(plan, 0, ping))
 
     async def body_stream() -> AsyncIterator[bytes]:
         for opening in builder.start():

@@ -53,7 +53,10 @@ class CudaAttention:
             if index not in self._num_sms:
                 self._num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
             num_sms = self._num_sms[index]
-        return min(self.max_splits, _next_pow2(math.ceil(num_sms / (num_seqs * num_kv_heads))))
+        # rounded to a power of two like the captured batch sizes, so a padded graph replay and
+        # an eager step of the same sequences split alike
+        programs = _next_pow2(num_seqs) * num_kv_heads
+        return min(self.max_splits, _next_pow2(math.ceil(num_sms / programs)))
 
     def store_kv(
         self,

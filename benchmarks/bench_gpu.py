@@ -237,14 +237,19 @@ def hf_decode(hf: Any, prompt: list[int], num_tokens: int) -> float:
     return (num_tokens - 1) / (t_full - statistics.median(prefill))
 
 
+def offline_lengths(num_seqs: int, seed: int = 0) -> tuple[random.Random, list[int], list[int]]:
+    rng = random.Random(seed)
+    in_lens = [rng.randint(100, 1024) for _ in range(num_seqs)]
+    out_lens = [rng.randint(100, 1024) for _ in range(num_seqs)]
+    return rng, in_lens, out_lens
+
+
 @torch.inference_mode()
 def offline(
     model: Any, kv: KVCache, graphs: Any, num_seqs: int, prefill_tokens: int, seed: int = 0
 ) -> dict[str, float]:
     """Offline throughput of `num_seqs` sequences (see the module docstring)."""
-    rng = random.Random(seed)
-    in_lens = [rng.randint(100, 1024) for _ in range(num_seqs)]
-    out_lens = [rng.randint(100, 1024) for _ in range(num_seqs)]
+    rng, in_lens, out_lens = offline_lengths(num_seqs, seed)
     vocab = model.config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in in_lens]
     tables: list[list[int]] = []
@@ -328,7 +333,9 @@ def bench_model(name: str, args: argparse.Namespace, bandwidth: float) -> dict[s
     result["bound_tok_s"] = bandwidth / result["weight_bytes"]
 
     blocks_per_seq = math.ceil(max_context / BLOCK_SIZE)
-    kv = make_cache(model, blocks_per_seq * args.offline_seqs + 2 * blocks_per_seq)
+    _, in_lens, out_lens = offline_lengths(args.offline_seqs)
+    offline_blocks = sum(math.ceil((i + o) / BLOCK_SIZE) for i, o in zip(in_lens, out_lens, strict=True))
+    kv = make_cache(model, offline_blocks + 2 * blocks_per_seq)
     prompt = torch.randint(
         0, config["vocab_size"], (args.prompt_len,), generator=torch.Generator().manual_seed(1)
     )
@@ -366,16 +373,6 @@ def bench_model(name: str, args: argparse.Namespace, bandwidth: float) -> dict[s
         f"graph replay alone {best['replay_ms']:.3f} ms)"
     )
 
-    if not args.skip_hf:
-        t0 = time.perf_counter()
-        result["hf_decode_tok_s"] = hf_decode(hf, prompt_ids, args.decode_tokens)
-        log(
-            f"[{name}] transformers static cache + compile: {result['hf_decode_tok_s']:.0f} tok/s "
-            f"(incl. compile {time.perf_counter() - t0:.0f}s)"
-        )
-    del hf
-    torch.cuda.empty_cache()
-
     if args.offline_seqs:
         off = offline(model, kv, graphs, args.offline_seqs, args.prefill_tokens)
         result["offline"] = off
@@ -384,7 +381,14 @@ def bench_model(name: str, args: argparse.Namespace, bandwidth: float) -> dict[s
             f"({off['out_tokens']} out / {off['in_tokens']} in tokens in {off['seconds']:.1f}s, "
             f"prefill {off['prefill_s']:.1f}s, {off['decode_steps']} decode steps)"
         )
-    del graphs, kv, model
+    if not args.skip_hf:
+        t0 = time.perf_counter()
+        result["hf_decode_tok_s"] = hf_decode(hf, prompt_ids, args.decode_tokens)
+        log(
+            f"[{name}] transformers static cache + compile: {result['hf_decode_tok_s']:.0f} tok/s "
+            f"(incl. compile {time.perf_counter() - t0:.0f}s)"
+        )
+    del graphs, kv, model, hf
     torch.cuda.empty_cache()
     return result
 

@@ -224,3 +224,80 @@ def combine_splits_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=offs_d < HEAD_DIM,
     )
+
+
+# ---- small fused ops of the model's layers (see `turbospark.engine.cuda_ops`) ----
+
+
+@triton.jit
+def rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    eps,
+    N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    """Row t: s = x (+ residual, rounded to the input dtype and stored), out = rms_norm(s) * w."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    mask = offs < N
+    x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + t * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + t * stride_ro + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + offs, (xf * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rotary_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    stride_xt,
+    stride_xh,
+    stride_ct,
+    stride_ot,
+    stride_oh,
+    HALF: tl.constexpr,
+):
+    """Program (t, h): head h of token t rotated, "rotate half" layout, sign folded into sin:
+    out = x * cos + roll(x, half) * sin."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, HALF)
+    x_row = x_ptr + t * stride_xt + h * stride_xh
+    x1 = tl.load(x_row + d).to(tl.float32)
+    x2 = tl.load(x_row + HALF + d).to(tl.float32)
+    c_row = t * stride_ct
+    c1 = tl.load(cos_ptr + c_row + d).to(tl.float32)
+    c2 = tl.load(cos_ptr + c_row + HALF + d).to(tl.float32)
+    s1 = tl.load(sin_ptr + c_row + d).to(tl.float32)
+    s2 = tl.load(sin_ptr + c_row + HALF + d).to(tl.float32)
+    o_row = out_ptr + t * stride_ot + h * stride_oh
+    tl.store(o_row + d, (x1 * c1 + x2 * s1).to(out_ptr.dtype.element_ty))
+    tl.store(o_row + HALF + d, (x2 * c2 + x1 * s2).to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def silu_mul_kernel(gu_ptr, out_ptr, stride_g, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (t, b): out[t, cols] = silu(gate) * up, gate and up the two halves of row t."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < INTER
+    g = tl.load(gu_ptr + t * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + t * stride_g + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+    out = g / (1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + t * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)

@@ -316,6 +316,29 @@ def offline(
     }
 
 
+def profile_replay(graphs: Any, kv: KVCache, prompt: list[int], steps: int = 20) -> None:
+    """Per-kernel GPU time of batch-1 graph replays (a 128-token context), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    table: list[int] = []
+    assert kv.grow(table, len(prompt) + 1)
+    graphs.block_tables[0, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    graphs.seq_lens[0] = len(prompt) + 1
+    graphs.slot_mapping[0] = table[-1] * BLOCK_SIZE + len(prompt) % BLOCK_SIZE
+    graphs.positions[0] = len(prompt)
+    graph = graphs._graphs[1]
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+    log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70))
+    graphs.slot_mapping.fill_(-1)
+    graphs.seq_lens.zero_()
+    kv.release(table)
+
+
 def bench_model(name: str, args: argparse.Namespace, bandwidth: float) -> dict[str, Any]:
     from turbospark.engine.cuda_graphs import CudaGraphRunner
 
@@ -373,6 +396,8 @@ def bench_model(name: str, args: argparse.Namespace, bandwidth: float) -> dict[s
         f"graph replay alone {best['replay_ms']:.3f} ms)"
     )
 
+    if args.profile:
+        profile_replay(graphs, kv, prompt_ids)
     if args.offline_seqs:
         off = offline(model, kv, graphs, args.offline_seqs, args.prefill_tokens)
         result["offline"] = off
@@ -405,6 +430,7 @@ def main() -> None:
     parser.add_argument(
         "--skip-hf", action="store_true", help="skip transformers' decode (its compile is slow)"
     )
+    parser.add_argument("--profile", action="store_true", help="print a per-kernel table of batch-1 replays")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
 

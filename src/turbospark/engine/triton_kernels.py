@@ -256,8 +256,10 @@ def rms_norm_kernel(
         tl.store(res_out_ptr + t * stride_ro + offs, x, mask=mask)
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    # rounded where the reference implementation rounds: the normalized row, then the product
+    normed = (xf * inv).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_o + offs, (xf * inv * w).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + t * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -287,8 +289,12 @@ def rotary_kernel(
     s1 = tl.load(sin_ptr + c_row + d).to(tl.float32)
     s2 = tl.load(sin_ptr + c_row + HALF + d).to(tl.float32)
     o_row = out_ptr + t * stride_ot + h * stride_oh
-    tl.store(o_row + d, (x1 * c1 + x2 * s1).to(out_ptr.dtype.element_ty))
-    tl.store(o_row + HALF + d, (x2 * c2 + x1 * s2).to(out_ptr.dtype.element_ty))
+    dt = out_ptr.dtype.element_ty
+    # each product rounded to the activation dtype, then the sum: as x * cos + rotate_half(x) * sin
+    o1 = (x1 * c1).to(dt).to(tl.float32) + (x2 * s1).to(dt).to(tl.float32)
+    o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+    tl.store(o_row + d, o1.to(dt))
+    tl.store(o_row + HALF + d, o2.to(dt))
 
 
 @triton.jit
@@ -299,5 +305,6 @@ def silu_mul_kernel(gu_ptr, out_ptr, stride_g, stride_o, INTER: tl.constexpr, BL
     mask = cols < INTER
     g = tl.load(gu_ptr + t * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + t * stride_g + INTER + cols, mask=mask, other=0.0).to(tl.float32)
-    out = g / (1.0 + tl.exp(-g)) * u
-    tl.store(out_ptr + t * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    dt = out_ptr.dtype.element_ty
+    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # silu(gate) rounded, as its own op would
+    tl.store(out_ptr + t * stride_o + cols, (act * u).to(dt), mask=mask)

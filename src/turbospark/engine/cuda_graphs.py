@@ -104,6 +104,15 @@ class CudaGraphRunner:
             self._graphs[batch] = graph
         torch.cuda.synchronize()
 
+    def static_inputs(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Views of the graphs' own input buffers for a decode step of `num_seqs` sequences.
+
+        A caller that writes a step's inputs into these in place (its block-table rows and
+        lengths kept there between steps) and passes them back to `__call__` skips the copies.
+        """
+        assert 1 <= num_seqs <= self.max_batch
+        return self.input_ids[:num_seqs], self.positions[:num_seqs], self._meta(num_seqs)
+
     def can_replay(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
         num_seqs = meta.seq_lens.shape[0]
         return (
@@ -124,11 +133,15 @@ class CudaGraphRunner:
         n = input_ids.shape[0]
         batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
         width = meta.block_tables.shape[1]
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
-        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
-        self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+        for dst, src in (
+            (self.input_ids[:n], input_ids),
+            (self.positions[:n], positions),
+            (self.slot_mapping[:n], meta.slot_mapping),
+            (self.seq_lens[:n], meta.seq_lens),
+            (self.block_tables[:n, :width], meta.block_tables),
+        ):
+            if src.data_ptr() != dst.data_ptr():  # already in place: see `static_inputs`
+                dst.copy_(src, non_blocking=True)
         if batch > n:  # padding rows: write nowhere, attend over nothing
             self.slot_mapping[n:batch].fill_(-1)
             self.seq_lens[n:batch].fill_(0)

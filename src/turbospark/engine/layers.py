@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from turbospark.engine import cuda_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -27,8 +29,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and cuda_ops.supports_rows(x):
+            return cuda_ops.rms_norm(x, self.weight, self.eps)[0]
         # the fused kernel accumulates in float32 for bf16 inputs
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual stream's add fused with the norm."""
+        if x.is_cuda and cuda_ops.supports_rows(x) and cuda_ops.supports_rows(residual):
+            out, summed = cuda_ops.rms_norm(x, self.weight, self.eps, residual)
+            assert summed is not None
+            return out, summed
+        summed = x + residual
+        return F.rms_norm(summed, (summed.shape[-1],), self.weight, self.eps), summed
 
 
 class Embedding(nn.Module):
@@ -126,7 +139,16 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (num_tokens, num_heads, head_dim) in the Hugging Face "rotate half" layout."""
+    if x.is_cuda and cuda_ops.supports_rotary(x):
+        return cuda_ops.rotary(x, cos, sin)
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
+    """silu(gate) * up for gate_up (num_tokens, 2 * intermediate_size), the gated MLP's middle."""
+    if gate_up.is_cuda and cuda_ops.supports_rows(gate_up):
+        return cuda_ops.silu_mul(gate_up, intermediate_size)
+    return F.silu(gate_up[..., :intermediate_size]) * gate_up[..., intermediate_size:]
 
 
 def load_weights(

@@ -90,10 +90,16 @@ def build_model(
         )
     cfg = family.ModelConfig.from_dict(dict(config))
     device = torch.device(device)
-    model = family.CausalLM(cfg, max_positions or cfg.max_position_embeddings)
+    positions = max_positions or cfg.max_position_embeddings
+    # The skeleton holds no memory (meta tensors): each weight is materialized once, straight on
+    # `device` in its final dtype, by `load_weights`; no float32 copy of the model exists first.
+    with torch.device("meta"):
+        model = family.CausalLM(cfg, positions)
     # quantized linears are read from the checkpoint's own floats: no full-size cast copy first
     load_weights(model, model.checkpoint_names(), tensors, device, dtype, dtype if quant is None else None)
-    model.rotary.to(device=device, dtype=dtype)
+    # the rotary tables are computed, not loaded: built for real (float32 on CPU, as on every
+    # device, so CPU and CUDA rotate identically), then moved
+    model.rotary = type(model.rotary)(cfg, positions).to(device=device, dtype=dtype)
     model.dtype = dtype
     prepare: PrepareLinear = lambda linear, role: linear  # noqa: E731
     if quant is not None:
@@ -102,6 +108,8 @@ def build_model(
         prepare = functools.partial(quantize_linear, mode=quant, dtype=dtype)
     model.finalize(prepare)
     model.eval()
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not left, f"never loaded: {left}"
     return model  # type: ignore[no-any-return]
 
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from turbospark.engine.attention import AttentionMetadata
@@ -24,6 +23,7 @@ from turbospark.engine.layers import (
     RotaryEmbedding,
     apply_rotary,
     fuse_linears,
+    silu_and_mul,
 )
 
 
@@ -117,8 +117,7 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (num_tokens, inter) x2
-        return self.down_proj(F.silu(gate) * up)  # type: ignore[no-any-return]
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.intermediate_size))  # type: ignore[no-any-return]
 
 
 class DecoderLayer(nn.Module):
@@ -131,13 +130,20 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        h: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv: LayerCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, kv, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))  # type: ignore[no-any-return]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden state is x + residual (residual None: x alone, the first layer); returns
+        the next layer's (x, residual). Each residual add is fused into the norm after it."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add_norm(x, residual)
+        x, residual = self.post_attention_layernorm.add_norm(self.self_attn(x, rope, kv, meta), residual)
+        return self.mlp(x), residual
 
 
 class Model(nn.Module):
@@ -182,9 +188,12 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: (num_tokens,) packed; returns logits (num_seqs, vocab) of each
         sequence's last token."""
-        h = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
+        x = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
         rope = self.rotary(positions)
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, rope, kv_cache.layer(i), meta)
-        h = h[meta.last_token_indices]  # (num_seqs, hidden)
-        return self.lm_head(self.model.norm(h)).float()  # type: ignore[no-any-return]
+            x, residual = layer(x, residual, rope, kv_cache.layer(i), meta)
+        last = meta.last_token_indices
+        assert residual is not None
+        h, _ = self.model.norm.add_norm(x[last], residual[last])  # (num_seqs, hidden)
+        return self.lm_head(h).float()  # type: ignore[no-any-return]

@@ -25,6 +25,7 @@ from turbospark.engine.kv_cache import BlockManager, KVCache
 from turbospark.engine.models import Model
 
 if TYPE_CHECKING:
+    from turbospark.engine.cuda_graphs import CudaGraphRunner
     from turbospark.engine.scheduler import ScheduledBatch
 
 
@@ -55,8 +56,11 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         attention: AttentionBackend | None = None,
         enable_prefix_caching: bool = True,
+        cuda_graphs: bool = True,
     ) -> None:
-        """`num_blocks` sizes the KV cache (default: `max_num_seqs` full contexts)."""
+        """`num_blocks` sizes the KV cache (default: `max_num_seqs` full contexts). On CUDA the
+        cache uses the Triton paged kernels (`CudaAttention`) and decode steps replay CUDA
+        graphs (captured on the first step) unless `cuda_graphs` is off."""
         cfg = model.config
         assert max_context <= model.max_positions, "the model's rotary table is shorter than max_context"
         self.model = model
@@ -67,6 +71,11 @@ class ModelRunner:
             kv_dtype = model.dtype
         if num_blocks is None:
             num_blocks = (max_context + block_size - 1) // block_size * max_num_seqs
+        is_cuda = self.device.type == "cuda"
+        if attention is None and is_cuda:
+            from turbospark.engine.cuda_attention import CudaAttention
+
+            attention = CudaAttention()
         self.kv_cache = KVCache(
             cfg.num_hidden_layers,
             num_blocks,
@@ -78,6 +87,13 @@ class ModelRunner:
             attention=attention,
         )
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.graphs: CudaGraphRunner | None = None
+        if is_cuda and cuda_graphs:
+            from turbospark.engine.cuda_graphs import CudaGraphRunner
+
+            max_blocks = (max_context + block_size - 1) // block_size
+            self.graphs = CudaGraphRunner(model, self.kv_cache, max_blocks_per_seq=max_blocks)
+        self._captured = False
 
     @property
     def vocab_size(self) -> int:
@@ -101,7 +117,13 @@ class ModelRunner:
             # only sampling sequences need the lm_head: a mid-prefill chunk's logits are unused
             meta.last_token_indices = meta.last_token_indices[rows or [0]]
         input_ids = torch.tensor(flat_ids, dtype=torch.long, device=self.device)
-        logits = self.model(input_ids, positions, meta, self.kv_cache)
+        if self.graphs is not None:
+            if not self._captured:
+                self.graphs.capture()  # seconds, once: on the engine thread, off the event loop
+                self._captured = True
+            logits = self.graphs(input_ids, positions, meta)  # replays decode steps, else eager
+        else:
+            logits = self.model(input_ids, positions, meta, self.kv_cache)
         return logits[: len(rows)]
 
     # ---- the one-sequence reference path ----

@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import gc
 import inspect
+import logging
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,8 @@ from turbospark.engine.runner import ModelRunner
 
 if TYPE_CHECKING:
     from turbospark.tokenizer import Tokenizer
+
+log = logging.getLogger("turbospark.engine")
 
 DEFAULT_MAX_CONTEXT = 8192
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -136,6 +139,10 @@ def load_backend(
     from turbospark.tokenizer import Tokenizer
 
     torch_dtype, quant = resolve_numerics(device, dtype, quant)
+    if torch.device(device).type == "cpu":
+        from turbospark.engine.cpu_kernels import cpu_kernels
+
+        log.info("%s", cpu_kernels().describe())
     load_kwargs: dict[str, Any] = {"progress": progress}
     if torch_dtype != torch.float32 and "dtype" in inspect.signature(load_checkpoint).parameters:
         # a quantized GGUF dequantizes straight to the compute dtype: half the float32 peak

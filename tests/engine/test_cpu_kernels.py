@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from turbospark.engine.cpu_kernels import ENV_VAR, cpu_flags, cpu_kernels, detect
+from turbospark.engine.cpu_kernels import (
+    ENV_VAR,
+    cpu_flags,
+    cpu_kernels,
+    detect,
+    free_cores,
+    set_intra_op_threads,
+)
 
 AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
 SAPPHIRE_RAPIDS = AVX2 | {"avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile"}
@@ -45,3 +54,14 @@ def test_this_machine_gets_a_profile_naming_torch_capability() -> None:
     assert kernels.capability in kernels.describe()
     if "amx_bf16" not in cpu_flags() and "avx512_bf16" not in cpu_flags():
         assert kernels.dense_dtype == torch.float32
+
+
+def test_pool_never_exceeds_the_cores_this_process_may_use(monkeypatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        threads = set_intra_op_threads()
+        assert 1 <= threads <= free_cores() == len(os.sched_getaffinity(0))
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)

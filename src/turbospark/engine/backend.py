@@ -140,9 +140,10 @@ def load_backend(
 
     torch_dtype, quant = resolve_numerics(device, dtype, quant)
     if torch.device(device).type == "cpu":
-        from turbospark.engine.cpu_kernels import cpu_kernels
+        from turbospark.engine.cpu_kernels import cpu_kernels, set_intra_op_threads
 
-        log.info("%s", cpu_kernels().describe())
+        threads = set_intra_op_threads()
+        log.info("%s; %d intra-op threads", cpu_kernels().describe(), threads)
     load_kwargs: dict[str, Any] = {"progress": progress}
     if torch_dtype != torch.float32 and "dtype" in inspect.signature(load_checkpoint).parameters:
         # a quantized GGUF dequantizes straight to the compute dtype: half the float32 peak

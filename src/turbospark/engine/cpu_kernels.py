@@ -86,6 +86,27 @@ def detect(flags: frozenset[str] | None = None, override: str | None = None) -> 
     )
 
 
+def free_cores() -> int:
+    """CPUs this process may run on (its affinity mask: what a container or `taskset` grants),
+    not the machine's total, which is what torch's default pool size counts."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity API (macOS, Windows)
+        return max(1, os.cpu_count() or 1)
+
+
+def set_intra_op_threads() -> int:
+    """Sizes torch's intra-op pool to the free cores, unless the user sized it (OMP_NUM_THREADS
+    or an earlier `torch.set_num_threads` to fewer); returns the size. A pool larger than the
+    cores granted makes every parallel op wait for a thread that is not scheduled."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    threads = min(torch.get_num_threads(), free_cores())
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+    return threads
+
+
 @functools.cache
 def cpu_kernels() -> CpuKernels:
     """The process's profile, decided on first use and then fixed."""

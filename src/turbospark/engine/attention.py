@@ -9,9 +9,10 @@ queries with `query_start_loc`, per-sequence `seq_lens`, padded `block_tables`, 
 `slot_mapping` each new token's k/v goes to. It is an argument, never a global.
 
 `CpuAttention` is the path that runs anywhere torch runs: one batched SDPA call over all decode
-tokens of a step (their contexts gathered into a padded batch), and one SDPA call per sequence
-that feeds several tokens (a prefill chunk). `reference_attention` is the plain per-sequence
-statement that tests hold every backend to.
+tokens of a step (their contexts gathered into a padded batch), and per sequence that feeds
+several tokens (a prefill chunk) causal flash attention over its own keys merged with full
+attention over its cached prefix (no quadratic mask; see `_span_attention`).
+`reference_attention` is the plain per-sequence statement that tests hold every backend to.
 """
 
 from __future__ import annotations
@@ -156,6 +157,47 @@ def _gather(cache: torch.Tensor, slots: slice | list[int] | torch.Tensor) -> tor
     return cache.index_select(1, slots)
 
 
+# Flash attention on CPU that also returns each row's log-sum-exp, so attention over two key
+# sets can be merged exactly. Private to aten (inductor lowers SDPA to it); None if absent.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _span_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix: slice | torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of a multi-token span: causal over its own new keys, full over the cached prefix.
+
+    q: (query_len, num_heads, head_dim); k, v: the span's own (query_len, num_kv_heads,
+    head_dim); `prefix`: the cache slots of the tokens before it. Two flash-attention calls
+    merged by log-sum-exp give exactly softmax over the union, with no (query_len, kv_len) mask
+    (which sends SDPA to its slow math path: 3-4x slower at 2k-4k tokens, measured) and, when
+    the prefix's blocks are consecutive, no copy of the cache.
+    """
+    assert _FLASH_CPU is not None
+    qs = q.transpose(0, 1)[None]  # (1, num_heads, query_len, head_dim)
+    kn = k.to(k_cache.dtype).transpose(0, 1)[None]  # (1, num_kv_heads, query_len, head_dim)
+    vn = v.to(v_cache.dtype).transpose(0, 1)[None]
+    o_new, lse_new = _FLASH_CPU(qs, kn, vn, is_causal=True, scale=scale)
+    is_empty = prefix.stop == prefix.start if isinstance(prefix, slice) else prefix.numel() == 0
+    if is_empty:
+        return o_new[0].transpose(0, 1)  # type: ignore[no-any-return]  # (query_len, num_heads, head_dim)
+    kp, vp = (
+        _gather(k_cache, prefix)[None],
+        _gather(v_cache, prefix)[None],
+    )  # (1, num_kv_heads, cached, head_dim)
+    o_pre, lse_pre = _FLASH_CPU(qs, kp, vp, scale=scale)
+    # softmax over both key sets = the two outputs weighted by their shares of the total mass
+    weight = torch.sigmoid(lse_pre - lse_new)[..., None]  # (1, num_heads, query_len, 1) float32
+    o: torch.Tensor = torch.lerp(o_new.float(), o_pre.float(), weight).to(q.dtype)
+    return o[0].transpose(0, 1)
+
+
 def _chunk_mask(cached: int, kv_len: int, device: torch.device) -> torch.Tensor:
     """(query_len, kv_len) bool: bottom-right aligned causal, query i sits at position cached + i."""
     q_pos = torch.arange(cached, kv_len, device=device)[:, None]
@@ -209,18 +251,17 @@ class CpuAttention:
                 out = od
             else:
                 out[plan.decode_rows_t] = od
-        for start, length, slots, mask in plan.spans:
-            ks, vs = _gather(k_cache, slots), _gather(v_cache, slots)  # (num_kv_heads, kv_len, head_dim)
+        for start, length, prefix, mask in plan.spans:
+            rows = slice(start, start + length)
+            if mask is None:
+                out[rows] = _span_attention(q[rows], k[rows], v[rows], k_cache, v_cache, prefix, scale)
+                continue
+            # fallback (no CPU flash kernel): one SDPA over the whole context with an explicit mask
+            ks, vs = _gather(k_cache, prefix), _gather(v_cache, prefix)  # (num_kv_heads, kv_len, head_dim)
             o = F.scaled_dot_product_attention(
-                q[start : start + length].transpose(0, 1),  # (num_heads, query_len, head_dim)
-                ks,
-                vs,
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=scale,
-                enable_gqa=group > 1,
+                q[rows].transpose(0, 1), ks, vs, attn_mask=mask, scale=scale, enable_gqa=group > 1
             )  # (num_heads, query_len, head_dim)
-            out[start : start + length] = o.transpose(0, 1)
+            out[rows] = o.transpose(0, 1)
         return out.reshape(num_tokens, num_heads * head_dim)
 
 
@@ -234,6 +275,8 @@ class _CpuPlan:
         self.decode_rows: list[int] = []
         decode_slots: list[slice | list[int]] = []
         decode_lens: list[int] = []
+        # (first row, query_len, the slots to read, mask): with the CPU flash kernel the slots are
+        # the cached prefix and the mask is None; otherwise the whole context with its mask
         self.spans: list[tuple[int, int, slice | torch.Tensor, torch.Tensor | None]] = []
         for i, (qlen, kv_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
             slots = meta.context_slots(i)
@@ -243,11 +286,14 @@ class _CpuPlan:
                 decode_lens.append(kv_len)
                 continue
             cached = kv_len - qlen
-            mask = _chunk_mask(cached, kv_len, device) if cached > 0 else None
-            if isinstance(slots, list):
-                self.spans.append((starts[i], qlen, torch.tensor(slots, device=device), mask))
+            mask = None
+            if device.type != "cpu" or _FLASH_CPU is None:
+                mask = _chunk_mask(cached, kv_len, device)  # the fallback attends over the whole context
             else:
-                self.spans.append((starts[i], qlen, slots, mask))
+                slots = slots if isinstance(slots, list) else slice(slots.start, slots.start + cached)
+                slots = slots[:cached] if isinstance(slots, list) else slots  # the cached prefix only
+            read = torch.tensor(slots, dtype=torch.long, device=device) if isinstance(slots, list) else slots
+            self.spans.append((starts[i], qlen, read, mask))
         self.decode_rows_t = torch.tensor(self.decode_rows, dtype=torch.long, device=device)
         self.decode_view: slice | list[int] = slice(0)
         self.decode_gather: torch.Tensor | None = None

@@ -22,6 +22,7 @@ import contextlib
 import ctypes
 import gc
 import inspect
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +45,8 @@ from turbospark.ratecontrol import RateControl
 
 if TYPE_CHECKING:
     from turbospark.tokenizer import Tokenizer
+
+log = logging.getLogger("turbospark.engine")
 
 DEFAULT_MAX_CONTEXT = 8192  # when a checkpoint does not say
 BLOCK_SIZE = 16
@@ -166,6 +169,11 @@ def load_backend(
     from turbospark.tokenizer import Tokenizer
 
     torch_dtype, quant = resolve_numerics(device, dtype, quant)
+    if torch.device(device).type == "cpu":
+        from turbospark.engine.cpu_kernels import cpu_kernels, set_intra_op_threads
+
+        threads = set_intra_op_threads()
+        log.info("%s; %d intra-op threads", cpu_kernels().describe(), threads)
     load_kwargs: dict[str, Any] = {"progress": progress}
     if torch_dtype != torch.float32 and "dtype" in inspect.signature(load_checkpoint).parameters:
         # a quantized GGUF dequantizes straight to the compute dtype: half the float32 peak

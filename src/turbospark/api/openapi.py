@@ -338,7 +338,8 @@ def openapi_document(registry: ModelRegistry, *, requires_key: bool = False) -> 
     sse = "text/event-stream"
     ndjson = "application/x-ndjson"
     json = "application/json"
-    show = _obj({"model": model, "name": model})
+    # `name` is the older field: read only when `model` is absent, so it is any string beside it
+    show = {"anyOf": [_obj({"model": model, "name": STR}, ["model"]), _obj({"name": model}, ["name"])]}
     paths: dict[str, Schema] = {
         "/health": _get("openai", "liveness and readiness (503 while loading or shutting down)"),
         "/v1/chat/completions": _post("openai", "OpenAI chat completion", _openai_chat(model), json, sse),

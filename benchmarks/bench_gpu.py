@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from turbospark.engine.attention import AttentionMetadata, build_attention_metadata
-from turbospark.engine.kv_cache import KVCache
+from turbospark.engine.kv_cache import ManagedKVCache
 from turbospark.engine.models import build_model
 
 QWEN25_05B: dict[str, Any] = {
@@ -135,11 +135,11 @@ def weight_bytes(model: torch.nn.Module, tied: bool) -> int:
     return total
 
 
-def make_cache(model: Any, num_blocks: int) -> KVCache:
+def make_cache(model: Any, num_blocks: int) -> ManagedKVCache:
     from turbospark.engine.cuda_attention import CudaAttention
 
     c = model.config
-    return KVCache(
+    return ManagedKVCache(
         c.num_hidden_layers,
         num_blocks,
         BLOCK_SIZE,
@@ -172,7 +172,7 @@ def decode_meta(
 
 @torch.inference_mode()
 def turbospark_decode(
-    model: Any, kv: KVCache, graphs: Any, prompt: list[int], num_tokens: int, overlap: bool
+    model: Any, kv: ManagedKVCache, graphs: Any, prompt: list[int], num_tokens: int, overlap: bool
 ) -> dict[str, Any]:
     """Batch-1 greedy decode through the graph runner; tokens/s excluding the prefill.
 
@@ -272,7 +272,7 @@ def offline_lengths(num_seqs: int, seed: int = 0) -> tuple[random.Random, list[i
 
 @torch.inference_mode()
 def offline(
-    model: Any, kv: KVCache, graphs: Any, num_seqs: int, prefill_tokens: int, seed: int = 0
+    model: Any, kv: ManagedKVCache, graphs: Any, num_seqs: int, prefill_tokens: int, seed: int = 0
 ) -> dict[str, float]:
     """Offline throughput of `num_seqs` sequences (see the module docstring)."""
     rng, in_lens, out_lens = offline_lengths(num_seqs, seed)
@@ -342,7 +342,7 @@ def offline(
     }
 
 
-def profile_replay(graphs: Any, kv: KVCache, prompt: list[int], steps: int = 20) -> None:
+def profile_replay(graphs: Any, kv: ManagedKVCache, prompt: list[int], steps: int = 20) -> None:
     """Per-kernel GPU time of batch-1 graph replays (a 128-token context), largest first."""
     from torch.profiler import ProfilerActivity, profile
 

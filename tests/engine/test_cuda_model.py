@@ -15,7 +15,7 @@ import torch
 from tiny_models import FAMILIES, checkpoint
 
 from turbospark.engine.attention import build_attention_metadata
-from turbospark.engine.kv_cache import KVCache
+from turbospark.engine.kv_cache import ManagedKVCache
 from turbospark.engine.models import build_model
 
 pytestmark = [
@@ -35,11 +35,11 @@ def cuda_model(family: str, init_std: float = 0.02):
     return build_model(cfg, tensors, "cuda", torch.bfloat16), ref
 
 
-def cuda_cache(model, num_blocks: int) -> KVCache:
+def cuda_cache(model, num_blocks: int) -> ManagedKVCache:
     from turbospark.engine.cuda_attention import CudaAttention
 
     c = model.config
-    return KVCache(
+    return ManagedKVCache(
         c.num_hidden_layers,
         num_blocks,
         BLOCK_SIZE,

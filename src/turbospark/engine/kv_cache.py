@@ -229,3 +229,18 @@ class BlockManager:
         for key, b in self._block_of.items():
             assert self._key_of.get(b) == key, f"key of block {b} disagrees"
         assert len(self._block_of) == len(self._key_of)
+
+
+class ManagedKVCache(KVCache):
+    """A `KVCache` with its own plain block bookkeeping (no prefix sharing), for code that drives
+    a model without the engine: GPU benchmarks and model-level tests."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.blocks = BlockManager(self.num_blocks, self.block_size, enable_prefix_caching=False)
+
+    def grow(self, block_table: list[int], num_tokens: int) -> bool:
+        return self.blocks.grow(block_table, num_tokens)
+
+    def release(self, block_table: list[int]) -> None:
+        self.blocks.release(block_table)

@@ -9,11 +9,12 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from turbospark.backend import BackendDefaults, ChatModel, GuardrailConfig, ReasoningEffort
+from turbospark.backend import BackendDefaults, ChatModel, ReasoningEffort
 from turbospark.queue import GenerationQueue
 from turbospark.ratecontrol import RateControl
-from turbospark.registry import ModelRegistry
+from turbospark.registry import ModelRegistry, ServedModel
 from turbospark.scripted import ScriptedChatModel
+from turbospark.toolcalls.guardrails import GuardrailConfig
 
 log = logging.getLogger("turbospark")
 
@@ -43,15 +44,18 @@ def load_into(registry: ModelRegistry, args: argparse.Namespace) -> None:
         backend = load_model(spec, args)
         if isinstance(backend, BackendDefaults):
             backend.configure(
-                default_system=system,
-                default_reasoning=ReasoningEffort(args.reasoning) if args.reasoning else None,
-                guardrails=GuardrailConfig(enabled=not args.no_guardrails),
-                queue=GenerationQueue(max_active=args.max_active, max_waiting=args.max_waiting),
-                rate=rate,
+                queue=GenerationQueue(max_active=args.max_active, max_waiting=args.max_waiting), rate=rate
             )
-        registry.add(backend)
+        served = registry.add(
+            ServedModel(
+                backend,
+                guardrails=GuardrailConfig(enabled=not args.no_guardrails),
+                default_system=system,
+                default_reasoning=ReasoningEffort(args.reasoning or ReasoningEffort.OFF),
+            )
+        )
         registry.num_loading -= 1
-        log.info("serving %s (aliases: %s)", backend.model_id, ", ".join(backend.aliases()))
+        log.info("serving %s (aliases: %s)", backend.model_id, ", ".join(served.names()[1:]))
 
 
 def serve(args: argparse.Namespace) -> int:

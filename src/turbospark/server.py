@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from turbospark import __version__, metrics
-from turbospark.api import anthropic, ollama, openai, operations, responses
+from turbospark.api import anthropic, models, ollama, openai, operations, responses
 from turbospark.api.common import ServerState, state_of
 
 
@@ -27,9 +27,10 @@ async def health(request: Request) -> Response:
 
 def create_app(state: ServerState) -> Starlette:
     routes: list[BaseRoute] = [Route("/health", health, methods=["GET"])]
-    # Each API module contributes routes(); order matters only where paths overlap.
+    # Each API module contributes routes(); no two share a path.
     routes += operations.routes()
-    routes += anthropic.routes()  # before openai: it answers /v1/models in either envelope
+    routes += models.routes()  # /v1/models, in the envelope of the caller's API
+    routes += anthropic.routes()
     routes += openai.routes()
     routes += responses.routes()
     routes += ollama.routes()

@@ -124,15 +124,6 @@ async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
     return task.result()
 
 
-async def prime(stream: AsyncIterator[T]) -> tuple[T | None, AsyncIterator[T]]:
-    """Waits for a stream's first item, so errors before it become a plain HTTP error reply."""
-    try:
-        first = await stream.__anext__()
-    except StopAsyncIteration:
-        return None, stream
-    return first, stream
-
-
 def sse_response(body: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> StreamingResponse:
     base = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     return StreamingResponse(body, media_type="text/event-stream", headers={**base, **(headers or {})})

@@ -44,6 +44,7 @@ from turbospark.api import fields as f
 from turbospark.api.common import endpoint, new_id, read_json, sse_response, state_of
 from turbospark.api.envelopes import anthropic_error, anthropic_error_body
 from turbospark.api.kit import CollectedChoice, collect, sse_event, start_stream, tool_arguments
+from turbospark.api.parsing import parse_temperature_top_p
 from turbospark.backend import ReasoningEffort, RequestImage
 from turbospark.errors import ApiError, ErrorKind, invalid
 from turbospark.events import (
@@ -247,18 +248,10 @@ def _assistant_message(content: Any, where: str, names: dict[str, str]) -> Messa
 
 def parse_messages(raw: Any, system: str | None) -> tuple[list[Message], str | None]:
     """The messages, and the prefill: a final assistant turn's text, which the reply continues."""
-    if raw is None:
-        raise invalid("'messages' is required", "messages")
-    if not isinstance(raw, list):
-        raise invalid("'messages' must be an array", "messages")
-    if not raw:
-        raise invalid("'messages' must contain at least one message", "messages")
     leading_system = [system] if system else []
     out: list[Message] = []
     names: dict[str, str] = {}  # tool_use id -> tool name, for the tool results that follow
-    for i, item in enumerate(raw):
-        where = f"messages[{i}]"
-        item = f.as_object(item, where)
+    for where, item in f.required_objects(raw, "messages", "message"):
         role = f.string(item, "role", f"{where}.role", required=True)
         content = item.get("content")
         if content is None:
@@ -298,14 +291,8 @@ def parse_messages(raw: Any, system: str | None) -> tuple[list[Message], str | N
 
 
 def parse_tools(raw: Any) -> list[Tool]:
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise invalid("'tools' must be an array", "tools")
     tools = []
-    for i, item in enumerate(raw):
-        where = f"tools[{i}]"
-        item = f.as_object(item, where)
+    for where, item in f.objects(raw, "tools"):
         kind = f.string(item, "type", f"{where}.type")
         name = f.string(item, "name", f"{where}.name", required=True) or ""
         if kind not in (None, "custom"):
@@ -391,11 +378,7 @@ def parse_output_format(body: dict[str, Any]) -> ResponseFormat | None:
 
 
 def parse_sampling(body: dict[str, Any]) -> SamplingParams:
-    sp = SamplingParams()
-    temperature = f.number(body, "temperature", minimum=0.0, maximum=1.0)
-    sp.temperature = 1.0 if temperature is None else temperature
-    top_p = f.number(body, "top_p", minimum=0.0, maximum=1.0)
-    sp.top_p = 1.0 if top_p is None else top_p
+    sp = parse_temperature_top_p(body, max_temperature=1.0)
     sp.top_k = f.integer(body, "top_k", minimum=0) or 0
     return sp
 

@@ -190,14 +190,8 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def parse_messages(raw: Any) -> list[Message]:
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise invalid("'messages' must be an array", "messages")
     out = []
-    for i, item in enumerate(raw):
-        where = f"messages[{i}]"
-        item = f.as_object(item, where)
+    for where, item in f.objects(raw, "messages"):
         role = f.string(item, "role", f"{where}.role", required=True)
         if role not in _ROLES:
             raise invalid(f"'{where}.role' must be one of {', '.join(_ROLES)}, got {role!r}", f"{where}.role")
@@ -239,25 +233,30 @@ def _link_tool_results(messages: list[Message]) -> None:
                 msg.name = msg.name or match.name
 
 
-def parse_chat_request(body: dict[str, Any]) -> tuple[ChatRequest, float | None]:
-    model = f.string(body, "model", required=True) or ""
+def _generation_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """What /api/chat and /api/generate share, as `ChatRequest` keyword arguments."""
     sampling, max_tokens, stop = parse_options(body)
+    return {
+        "model": f.string(body, "model", required=True) or "",
+        "response_format": parse_format(body.get("format")),
+        "sampling": sampling,
+        "max_tokens": max_tokens,
+        "stop": stop,
+        "stream": f.boolean(body, "stream", True),
+        "reasoning_effort": parse_think(body.get("think")),
+    }
+
+
+def parse_chat_request(body: dict[str, Any]) -> tuple[ChatRequest, float | None]:
     request = ChatRequest(
-        model=model,
         messages=parse_messages(body.get("messages")),
         tools=parse_function_tools(body.get("tools"), nested=True),
-        response_format=parse_format(body.get("format")),
-        sampling=sampling,
-        max_tokens=max_tokens,
-        stop=stop,
-        stream=f.boolean(body, "stream", True),
-        reasoning_effort=parse_think(body.get("think")),
+        **_generation_fields(body),
     )
     return request, parse_keep_alive(body.get("keep_alive"))
 
 
 def parse_generate_request(body: dict[str, Any]) -> tuple[ChatRequest, float | None]:
-    model = f.string(body, "model", required=True) or ""
     prompt = f.string(body, "prompt") or ""
     system = f.string(body, "system")
     raw = f.boolean(body, "raw", False)
@@ -276,17 +275,7 @@ def parse_generate_request(body: dict[str, Any]) -> tuple[ChatRequest, float | N
             "context",
         )
     images = _images(body.get("images"), "images")
-    sampling, max_tokens, stop = parse_options(body)
-    request = ChatRequest(
-        model=model,
-        messages=[],
-        response_format=parse_format(body.get("format")),
-        sampling=sampling,
-        max_tokens=max_tokens,
-        stop=stop,
-        stream=f.boolean(body, "stream", True),
-        reasoning_effort=parse_think(body.get("think")),
-    )
+    request = ChatRequest(messages=[], **_generation_fields(body))
     if raw:
         if images:
             raise invalid("'images' cannot be sent with raw: true; send them without raw", "images")

@@ -33,9 +33,9 @@ from turbospark.api.kit import (
 from turbospark.api.parsing import (
     parse_chat_messages,
     parse_effort,
-    parse_function_tools,
     parse_json_format,
-    parse_tool_choice,
+    parse_temperature_top_p,
+    parse_tool_fields,
 )
 from turbospark.errors import ApiError, invalid
 from turbospark.events import (
@@ -81,11 +81,7 @@ def parse_logit_bias(raw: Any) -> dict[int, float]:
 
 
 def parse_sampling(body: dict[str, Any]) -> SamplingParams:
-    sp = SamplingParams()
-    temperature = f.number(body, "temperature", minimum=0.0, maximum=2.0)
-    sp.temperature = 1.0 if temperature is None else temperature
-    top_p = f.number(body, "top_p", minimum=0.0, maximum=1.0)
-    sp.top_p = 1.0 if top_p is None else top_p
+    sp = parse_temperature_top_p(body, max_temperature=2.0)
     sp.top_k = max(0, f.integer(body, "top_k", minimum=-1) or 0)
     sp.min_p = f.number(body, "min_p", minimum=0.0, maximum=1.0) or 0.0
     sp.presence_penalty = f.number(body, "presence_penalty", minimum=-2.0, maximum=2.0) or 0.0
@@ -129,9 +125,7 @@ def parse_chat_request(body: dict[str, Any]) -> tuple[ChatRequest, bool]:
     request = ChatRequest(
         model=model,
         messages=messages,
-        tools=parse_function_tools(body.get("tools"), nested=True),
-        tool_choice=parse_tool_choice(body.get("tool_choice")),
-        parallel_tool_calls=f.boolean(body, "parallel_tool_calls", True),
+        **parse_tool_fields(body, nested=True),
         response_format=parse_response_format(body.get("response_format")),
         sampling=sampling,
         max_tokens=_max_tokens(body),

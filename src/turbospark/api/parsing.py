@@ -20,6 +20,7 @@ from turbospark.errors import invalid
 from turbospark.request import (
     Message,
     ResponseFormat,
+    SamplingParams,
     Tool,
     ToolCall,
     ToolChoice,
@@ -44,6 +45,25 @@ def parse_effort(value: Any, where: str) -> ReasoningEffort | None:
     if not isinstance(value, str) or value not in _EFFORTS:
         raise invalid(f"'{where}' must be one of {', '.join(_EFFORTS)}, got {value!r}", where)
     return _EFFORTS[value]
+
+
+def parse_temperature_top_p(body: dict[str, Any], *, max_temperature: float) -> SamplingParams:
+    """Sampling with the caller's `temperature` and `top_p` (each 1.0 when not sent)."""
+    sp = SamplingParams()
+    temperature = f.number(body, "temperature", minimum=0.0, maximum=max_temperature)
+    sp.temperature = 1.0 if temperature is None else temperature
+    top_p = f.number(body, "top_p", minimum=0.0, maximum=1.0)
+    sp.top_p = 1.0 if top_p is None else top_p
+    return sp
+
+
+def parse_tool_fields(body: dict[str, Any], *, nested: bool) -> dict[str, Any]:
+    """`tools`, `tool_choice` and `parallel_tool_calls` as `ChatRequest` keyword arguments."""
+    return {
+        "tools": parse_function_tools(body.get("tools"), nested=nested),
+        "tool_choice": parse_tool_choice(body.get("tool_choice")),
+        "parallel_tool_calls": f.boolean(body, "parallel_tool_calls", True),
+    }
 
 
 _TEXT_PARTS = ("text", "input_text", "output_text", "summary_text", "reasoning_text")
@@ -87,14 +107,8 @@ def read_content(content: Any, where: str, msg: Message) -> None:
 
 def parse_tool_calls(raw: Any, where: str, default_id: Callable[[int], str]) -> list[ToolCall]:
     """`[{id?, function: {name, arguments}}]`; arguments a JSON object or its JSON text."""
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise invalid(f"'{where}' must be an array", where)
     calls = []
-    for i, item in enumerate(raw):
-        iw = f"{where}[{i}]"
-        item = f.as_object(item, iw)
+    for i, (iw, item) in enumerate(f.objects(raw, where)):
         fn = f.obj(item, "function", f"{iw}.function", required=True) or {}
         name = f.string(fn, "name", f"{iw}.function.name", required=True) or ""
         call_id = f.string(item, "id", f"{iw}.id") or default_id(i)
@@ -129,14 +143,8 @@ def random_call_id(_: int) -> str:
 def parse_function_tools(raw: Any, *, nested: bool) -> list[Tool]:
     """Function tools: `{type: function, function: {name, ...}}` (OpenAI chat, Ollama; `nested`)
     or `{type: function, name, ...}` (Responses)."""
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise invalid("'tools' must be an array", "tools")
     tools = []
-    for i, item in enumerate(raw):
-        where = f"tools[{i}]"
-        item = f.as_object(item, where)
+    for where, item in f.objects(raw, "tools"):
         kind = f.string(item, "type", f"{where}.type") or "function"
         if kind != "function":
             raise invalid(
@@ -216,16 +224,8 @@ _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 def parse_chat_messages(raw: Any) -> list[Message]:
     """OpenAI chat `messages` (also what `/tokenize` reads)."""
-    if raw is None:
-        raise invalid("'messages' is required", "messages")
-    if not isinstance(raw, list):
-        raise invalid("'messages' must be an array", "messages")
-    if not raw:
-        raise invalid("'messages' must contain at least one message", "messages")
     out = []
-    for i, item in enumerate(raw):
-        where = f"messages[{i}]"
-        item = f.as_object(item, where)
+    for where, item in f.required_objects(raw, "messages", "message"):
         role = f.string(item, "role", f"{where}.role", required=True)
         if role not in _ROLES:
             raise invalid(f"'{where}.role' must be one of {', '.join(_ROLES)}, got {role!r}", f"{where}.role")

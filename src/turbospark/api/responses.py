@@ -30,9 +30,9 @@ from turbospark.api.envelopes import openai_error
 from turbospark.api.kit import SSE_PING, logprob_entries, sse_event, start_stream
 from turbospark.api.parsing import (
     parse_effort,
-    parse_function_tools,
     parse_json_format,
-    parse_tool_choice,
+    parse_temperature_top_p,
+    parse_tool_fields,
     read_content,
 )
 from turbospark.errors import ApiError, ErrorKind, invalid
@@ -48,7 +48,7 @@ from turbospark.events import (
 )
 from turbospark.generate import run_choice
 from turbospark.plan import make_plan
-from turbospark.request import ChatRequest, Message, ResponseFormat, SamplingParams, ToolCall, ToolChoiceMode
+from turbospark.request import ChatRequest, Message, ResponseFormat, ToolCall, ToolChoiceMode
 
 CALL_PREFIX = "call_"  # on the engine's call ids, as OpenAI writes them
 
@@ -184,13 +184,7 @@ def parse_request(body: dict[str, Any]) -> ChatRequest:
     model = f.string(body, "model", required=True) or ""
     instructions = f.string(body, "instructions")
     messages = parse_input(f.req(body, "input"), instructions)
-    sampling = SamplingParams()
-    temperature = f.number(body, "temperature", minimum=0.0, maximum=2.0)
-    if temperature is not None:
-        sampling.temperature = temperature
-    top_p = f.number(body, "top_p", minimum=0.0, maximum=1.0)
-    if top_p is not None:
-        sampling.top_p = top_p
+    sampling = parse_temperature_top_p(body, max_temperature=2.0)
     top = f.integer(body, "top_logprobs", minimum=0, maximum=20)
     include = f.array(body, "include") or []
     if top is not None or "message.output_text.logprobs" in include:
@@ -199,9 +193,7 @@ def parse_request(body: dict[str, Any]) -> ChatRequest:
     request = ChatRequest(
         model=model,
         messages=messages,
-        tools=parse_function_tools(body.get("tools"), nested=False),
-        tool_choice=parse_tool_choice(body.get("tool_choice")),
-        parallel_tool_calls=f.boolean(body, "parallel_tool_calls", True),
+        **parse_tool_fields(body, nested=False),
         response_format=parse_text_format(body.get("text")),
         sampling=sampling,
         max_tokens=f.integer(body, "max_output_tokens", minimum=1),

@@ -313,6 +313,9 @@ def parse_tools(raw: Any) -> list[Tool]:
     return tools
 
 
+_CHOICE_MODES = {"auto": ToolChoiceMode.AUTO, "none": ToolChoiceMode.NONE, "any": ToolChoiceMode.REQUIRED}
+
+
 def parse_tool_choice(raw: Any) -> tuple[ToolChoice, bool]:
     """The choice, and whether parallel tool calls are allowed."""
     if raw is None:
@@ -328,9 +331,6 @@ def parse_tool_choice(raw: Any) -> tuple[ToolChoice, bool]:
         name = f.string(body, "name", "tool_choice.name", required=True) or ""
         return ToolChoice(ToolChoiceMode.NAMED, name, where="tool_choice.name", as_written=name), parallel
     raise invalid(f"'tool_choice.type' must be auto, any, tool or none, got {kind!r}", "tool_choice.type")
-
-
-_CHOICE_MODES = {"auto": ToolChoiceMode.AUTO, "none": ToolChoiceMode.NONE, "any": ToolChoiceMode.REQUIRED}
 
 
 def parse_thinking(body: dict[str, Any], chat: ChatRequest) -> None:

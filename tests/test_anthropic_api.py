@@ -18,14 +18,15 @@ from turbospark.api.common import ServerState
 from turbospark.backend import (
     CancelFlag,
     CompletionResult,
+    FinishReason,
     GenerationConfig,
     ProgressCallback,
     ReasoningEffort,
     RequestImage,
     TokenEvent,
 )
+from turbospark.engine.scheduler import SchedulerConfig
 from turbospark.plan import make_plan
-from turbospark.queue import GenerationQueue
 from turbospark.registry import ModelRegistry
 from turbospark.scripted import ScriptedChatModel
 from turbospark.testing import LiveServer
@@ -437,13 +438,18 @@ def test_assistant_prefill_is_continued() -> None:
 
 
 class SlowScripted(ScriptedChatModel):
-    """A scripted model whose prefill takes `delay` seconds (as a long prompt would)."""
+    """A scripted model whose prefill takes `delay` seconds (as a long prompt would), fed one
+    prompt token per engine step so a cancel is seen between tokens."""
 
     def __init__(self, replies: Sequence[str], delay: float, **kwargs: Any) -> None:
+        kwargs["scheduler"] = SchedulerConfig(max_batched_tokens=1, **kwargs.pop("scheduler", {}))
         super().__init__(replies, **kwargs)
         self.delay = delay
         self.started = threading.Event()
         self.cancelled = threading.Event()
+
+    def seconds_per_prompt_token(self, num_prompt_tokens: int) -> float:
+        return self.delay / num_prompt_tokens
 
     def run_completion(
         self,
@@ -454,12 +460,10 @@ class SlowScripted(ScriptedChatModel):
         on_progress: ProgressCallback,
     ) -> CompletionResult:
         self.started.set()
-        deadline = time.monotonic() + self.delay
-        while time.monotonic() < deadline and not cancel.is_set():
-            time.sleep(0.01)
-        if cancel.is_set():
+        result = super().run_completion(prompt_ids, config, images, cancel, on_progress)
+        if result.finish_reason is FinishReason.CANCELLED and not result.token_ids:
             self.cancelled.set()
-        return super().run_completion(prompt_ids, config, images, cancel, on_progress)
+        return result
 
 
 def served(backend: ScriptedChatModel, ping_interval: float = 10.0) -> LiveServer:
@@ -485,8 +489,9 @@ def test_pings_while_a_long_prompt_is_processed() -> None:
 
 
 def test_pings_while_waiting_in_the_queue_then_overloaded_when_the_line_is_full() -> None:
-    backend = SlowScripted(["first", "second"], delay=1.0)
-    backend.configure(queue=GenerationQueue(max_active=1, max_waiting=1, retry_after=2.0))
+    backend = SlowScripted(
+        ["first", "second"], delay=1.0, scheduler={"max_active": 1, "max_waiting": 1, "retry_after": 2.0}
+    )
     with served(backend, ping_interval=0.1) as srv:
         results: dict[str, httpx.Response] = {}
         holder = threading.Thread(target=lambda: results.update(first=post(srv, body())))
@@ -495,7 +500,9 @@ def test_pings_while_waiting_in_the_queue_then_overloaded_when_the_line_is_full(
         waiter = threading.Thread(target=lambda: results.update(second=post(srv, body(stream=True))))
         waiter.start()
         deadline = time.monotonic() + 10
-        while backend.generation_queue().num_waiting == 0 and time.monotonic() < deadline:  # type: ignore[union-attr]
+        line = backend.engine.scheduler
+        # the first request holds the only running slot, the second waits in line
+        while (line.num_running, line.num_waiting) != (1, 1) and time.monotonic() < deadline:
             time.sleep(0.01)
         refused = post(srv, body())
         holder.join(20)
@@ -511,8 +518,7 @@ def test_pings_while_waiting_in_the_queue_then_overloaded_when_the_line_is_full(
 
 
 def test_client_disconnect_during_prefill_cancels_the_generation() -> None:
-    backend = SlowScripted(["never sent"], delay=30.0)
-    backend.configure(queue=GenerationQueue(max_active=1))
+    backend = SlowScripted(["never sent"], delay=30.0, scheduler={"max_active": 1})
     with served(backend, ping_interval=0.1) as srv:
         with httpx.stream(
             "POST", srv.url + "/v1/messages", json=body(stream=True), headers={"anthropic-version": "1"}
@@ -521,18 +527,17 @@ def test_client_disconnect_during_prefill_cancels_the_generation() -> None:
             assert next(lines) == "event: message_start"
             assert backend.started.wait(10)
         assert backend.cancelled.wait(10)
-        queue = backend.generation_queue()
-        assert queue is not None
+        scheduler = backend.engine.scheduler
         deadline = time.monotonic() + 10
-        while queue.num_active and time.monotonic() < deadline:
+        while scheduler.num_running and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert queue.num_active == 0  # the slot came back
+        assert scheduler.num_running == 0  # the slot came back
+        assert scheduler.blocks.num_used_blocks == 0  # and its KV blocks
 
 
 def test_client_disconnect_while_queued_leaves_the_line() -> None:
-    backend = SlowScripted(["never sent"], delay=30.0)
-    queue = GenerationQueue(max_active=1, max_waiting=4)
-    backend.configure(queue=queue)
+    backend = SlowScripted(["never sent"], delay=30.0, scheduler={"max_active": 1, "max_waiting": 4})
+    queue = backend.engine.scheduler
 
     def wait_for(condition: Any) -> None:
         deadline = time.monotonic() + 10
@@ -551,8 +556,8 @@ def test_client_disconnect_while_queued_leaves_the_line() -> None:
                 assert next(waiter_lines) == "event: message_start"  # pinged while in line
                 assert queue.num_waiting == 1
             wait_for(lambda: queue.num_waiting == 0)
-            assert queue.num_active == 1
-        wait_for(lambda: queue.num_active == 0)
+            assert queue.num_running == 1
+        wait_for(lambda: queue.num_running == 0)
 
 
 class FailsMidStream(ScriptedChatModel):

@@ -16,8 +16,8 @@ from turbospark.api.ollama import (
     parse_think,
 )
 from turbospark.backend import ModelDetails, ReasoningEffort
+from turbospark.engine.scheduler import SchedulerConfig
 from turbospark.errors import ApiError
-from turbospark.queue import GenerationQueue
 from turbospark.ratecontrol import RateControl
 from turbospark.scripted import ScriptedChatModel
 from turbospark.testing import LiveServer
@@ -273,9 +273,9 @@ def test_model_details_clients_read() -> None:
 
 
 def slow_backend(reply_len: int = 2000) -> tuple[ScriptedChatModel, RateControl]:
-    backend = ScriptedChatModel(["z" * reply_len])
     control = RateControl(200)
-    backend.configure(rate=control, queue=GenerationQueue(max_active=1, max_waiting=0, retry_after=2))
+    scheduler = SchedulerConfig(max_active=1, max_waiting=0, retry_after=2)
+    backend = ScriptedChatModel(["z" * reply_len], scheduler=scheduler, rate=control)
     return backend, control
 
 
@@ -287,9 +287,10 @@ def test_disconnect_stops_generation_and_frees_the_slot() -> None:
             lines = reply.iter_lines()
             for _ in range(5):
                 next(lines)
-            # The only slot is taken: a second request is turned away, Ollama-shaped.
+            # The only slot is taken: a second request is turned away, Ollama-shaped (Ollama's
+            # own "server busy" status is 503).
             busy = httpx.post(server.url + "/api/chat", json={**body, "stream": False})
-            assert busy.status_code == 429 and "error" in busy.json()
+            assert busy.status_code == 503 and "error" in busy.json()
             assert busy.headers["retry-after"] == "2"
         time.sleep(0.5)
         made = control.num_tokens

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from turbospark.queue import GenerationQueue
+from turbospark.engine.scheduler import SchedulerConfig
 from turbospark.ratecontrol import RateControl
 from turbospark.scripted import DEMO_REPLY, ScriptedChatModel
 from turbospark.testing import LiveServer
@@ -293,9 +293,9 @@ def test_api_key_required_when_configured(stack: ExitStack) -> None:
 
 
 def slow_backend(rate: float, reply_len: int = 400) -> tuple[ScriptedChatModel, RateControl]:
-    backend = ScriptedChatModel(["z" * reply_len])
     control = RateControl(rate)
-    backend.configure(rate=control, queue=GenerationQueue(max_active=1, max_waiting=0, retry_after=2))
+    scheduler = SchedulerConfig(max_active=1, max_waiting=0, retry_after=2)
+    backend = ScriptedChatModel(["z" * reply_len], scheduler=scheduler, rate=control)
     return backend, control
 
 

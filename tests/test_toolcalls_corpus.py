@@ -16,7 +16,7 @@ import pytest
 from corpus.support import corpus, corpus_tools, family_tokenizer, summarize
 from turbospark.events import Event, Finish, TextDelta
 from turbospark.generate import run_choice, stream_choice
-from turbospark.metrics import TOOL_CALLS
+from turbospark.metrics import sample
 from turbospark.plan import make_plan
 from turbospark.reasoning import ReasoningSplitter
 from turbospark.registry import ModelRegistry
@@ -116,10 +116,12 @@ def test_corpus_case_through_the_pipeline(case: dict[str, Any]) -> None:
 
 def test_corpus_report(capsys: pytest.CaptureFixture[str]) -> None:
     """Totals over the corpus, as /metrics counts them."""
-    before = {o: TOOL_CALLS.get(outcome=o) for o in ("ok", "repaired", "returned_as_text")}
+    before = {
+        o: sample("turbospark_tool_calls_total", outcome=o) for o in ("ok", "repaired", "returned_as_text")
+    }
     for case in CASES:
         run_text(case, [case["output"]])
-    counted = {o: TOOL_CALLS.get(outcome=o) - before[o] for o in before}
+    counted = {o: sample("turbospark_tool_calls_total", outcome=o) - before[o] for o in before}
     wanted = {o: sum(c["outcomes"][o] for c in CASES) for o in before}
     assert counted == wanted
     with capsys.disabled():

@@ -7,10 +7,11 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from corpus.support import TEMPLATES, family_tokenizer
 from turbospark.events import TextDelta, ToolCallArgs, ToolCallStart
-from turbospark.metrics import Counter, Registry, render, routes
+from turbospark.metrics import sample
 from turbospark.request import Tool
 from turbospark.scripted import ScriptedChatModel
 from turbospark.testing import LiveServer
@@ -171,43 +172,74 @@ def test_special_markers_are_single_special_tokens(marker: str) -> None:
     assert tokenizer.decode(ids) == "x"
 
 
-def test_metrics_text_format() -> None:
-    registry = Registry()
-    hits: Counter = registry.counter("demo_total", "A demo counter", ["outcome"])
-    hits.inc(outcome="ok")
-    hits.inc(2, outcome='we"ird')
-    gauge = registry.gauge("demo_level", "A gauge")
-    registry.on_collect(lambda: gauge.set(1.5))
-    text = registry.render()
-    assert "# TYPE demo_total counter" in text
-    assert 'demo_total{outcome="ok"} 1' in text
-    assert 'demo_total{outcome="we\\"ird"} 2' in text
-    assert "demo_level 1.5" in text
-    with pytest.raises(ValueError):
-        hits.inc(kind="x")
+def _scrape(url: str) -> dict[str, Any]:
+    """/metrics over HTTP, parsed by prometheus_client's own parser: {family name: family}."""
+    response = httpx.get(f"{url}/metrics", timeout=30)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    return {f.name: f for f in text_string_to_metric_families(response.text)}
+
+
+def _value(families: dict[str, Any], family: str, **labels: str) -> float:
+    """A counter's value (0 while the label set has not appeared)."""
+    for s in families[family].samples:
+        if s.name == family + "_total" and s.labels == labels:
+            return float(s.value)
+    return 0.0
+
+
+def test_metrics_route_is_prometheus_text() -> None:
+    """The tool-call families keep their names, types and label sets, and show every outcome
+    at 0 before it happens; an OpenMetrics scraper gets OpenMetrics."""
+    with LiveServer([ScriptedChatModel()]) as srv:
+        families = _scrape(srv.url)
+        openmetrics = httpx.get(
+            f"{srv.url}/metrics",
+            headers={"accept": "application/openmetrics-text; version=1.0.0"},
+            timeout=30,
+        )
+    for name, label in (
+        ("turbospark_tool_calls", "outcome"),
+        ("turbospark_tool_call_repairs", "kind"),
+        ("turbospark_tool_call_rejects", "reason"),
+        ("turbospark_grammar_constrained", "kind"),
+    ):
+        assert families[name].type == "counter"
+        assert all(set(s.labels) == {label} for s in families[name].samples)
+    outcomes = {s.labels["outcome"] for s in families["turbospark_tool_calls"].samples}
+    assert outcomes == {"ok", "repaired", "returned_as_text"}
+    assert openmetrics.status_code == 200
+    assert openmetrics.headers["content-type"].startswith("application/openmetrics-text")
+    assert openmetrics.text.rstrip().endswith("# EOF")
 
 
 def test_metrics_route_counts_tool_calls() -> None:
-    from starlette.applications import Starlette
-    from starlette.testclient import TestClient
+    """A repaired call (trailing comma, misspelt name) moves repaired and its repair kinds."""
+    raw = '<tool_call>\n{"name": "get_wether", "arguments": {"city": "Paris",},}\n</tool_call>'
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    with LiveServer([ScriptedChatModel([raw])]) as srv:
+        before = _scrape(srv.url)
+        body = {"model": "scripted", "messages": [{"role": "user", "content": "go"}], "tools": tools}
+        reply = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=30).json()
+        after = _scrape(srv.url)
+    assert reply["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
 
-    before = render()
-    assert 'turbospark_tool_calls_total{outcome="returned_as_text"}' in before
-    client = TestClient(Starlette(routes=routes()))
-    response = client.get("/metrics")
-    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
-    assert "turbospark_tool_calls_total" in response.text
+    def moved(family: str, **labels: str) -> float:
+        return _value(after, family, **labels) - _value(before, family, **labels)
+
+    assert moved("turbospark_tool_calls", outcome="repaired") == 1
+    assert moved("turbospark_tool_calls", outcome="ok") == 0
+    assert moved("turbospark_tool_call_repairs", kind="json") == 1
+    assert moved("turbospark_tool_call_repairs", kind="name") == 1
 
 
 def test_unrepairable_call_over_http_is_text_and_counted() -> None:
-    from turbospark.metrics import TOOL_CALLS
-
     raw = '<tool_call>\n{"name": "launch_rocket", "arguments": {}}\n</tool_call>'
-    before = TOOL_CALLS.get(outcome="returned_as_text")
+    before = sample("turbospark_tool_calls_total", outcome="returned_as_text")
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     with LiveServer([ScriptedChatModel([raw])]) as srv:
         body = {"model": "scripted", "messages": [{"role": "user", "content": "go"}], "tools": tools}
         choice = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=30).json()["choices"][0]
     assert choice["message"]["content"] == raw and "tool_calls" not in choice["message"]
     assert choice["finish_reason"] == "stop"
-    assert TOOL_CALLS.get(outcome="returned_as_text") == before + 1
+    assert sample("turbospark_tool_calls_total", outcome="returned_as_text") == before + 1

@@ -22,8 +22,6 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from turbospark.queue import GenerationQueue
-    from turbospark.ratecontrol import RateControl
     from turbospark.tokenizer import Tokenizer
 
 
@@ -173,17 +171,11 @@ class ChatModel(Protocol):
         on_progress: ProgressCallback,
     ) -> CompletionResult: ...
 
-    def rate_control(self) -> RateControl | None: ...
-
-    def generation_queue(self) -> GenerationQueue | None: ...
-
 
 class BackendDefaults:
     """Mixin with the protocol's defaults, so a backend only writes what differs."""
 
     model_id: str
-    _queue: GenerationQueue | None = None
-    _rate: RateControl | None = None
 
     def aliases(self) -> list[str]:
         return []
@@ -199,17 +191,3 @@ class BackendDefaults:
 
     def encode(self, texts: Sequence[str]) -> list[list[float]]:
         raise BackendError(f"model {self.model_id!r} does not support embeddings")
-
-    def rate_control(self) -> RateControl | None:
-        return self._rate
-
-    def generation_queue(self) -> GenerationQueue | None:
-        return self._queue
-
-    def configure(self, *, queue: GenerationQueue | None = None, rate: RateControl | None = None) -> None:
-        """The admission queue and decode-rate cap, set once at start-up (server policy such as
-        guardrails or default prompts lives in `turbospark.registry.ServedModel`)."""
-        if queue is not None:
-            self._queue = queue
-        if rate is not None:
-            self._rate = rate

@@ -4,12 +4,16 @@ Same Jinja settings (trim_blocks, lstrip_blocks, loop controls), same `tojson` f
 globals (`raise_exception`, `strftime_now`), the `{% generation %}` tag, and the same
 variables (messages, tools, add_generation_prompt, bos/eos tokens, extra kwargs such as
 enable_thinking). Rendering happens in an immutable sandbox: a template is data from a
-checkpoint, and must not reach attributes, files or the network.
+checkpoint, and must not reach attributes, files or the network. It is also bounded: a render
+that runs past `MAX_RENDER_SECONDS` (checked at every call, attribute or item access, operator
+and output chunk) or writes more than `MAX_RENDER_CHARS` fails with `ChatTemplateError`.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -25,6 +29,47 @@ from jinja2.utils import Namespace
 
 class ChatTemplateError(ValueError):
     """The template raised (raise_exception) or could not be parsed or rendered."""
+
+
+MAX_RENDER_SECONDS = 2.0
+MAX_RENDER_CHARS = 16 * 1024 * 1024
+
+_render = threading.local()  # the deadline of the render running on this thread
+
+
+def _check_deadline() -> None:
+    deadline: float | None = getattr(_render, "deadline", None)
+    if deadline is not None and time.monotonic() > deadline:
+        raise ChatTemplateError(f"chat template ran past its time limit of {MAX_RENDER_SECONDS:g} s")
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, with a time check on every hook it has and bounded `*` / `**`."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        _check_deadline()
+        if operator == "**" and isinstance(right, int) and abs(right) > 64:
+            raise SecurityError("chat templates may not raise to powers above 64")
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                sized = isinstance(seq, str | list | tuple) and isinstance(times, int)
+                if sized and len(seq) * times > MAX_RENDER_CHARS:
+                    raise SecurityError("chat template tried to build a sequence over the output limit")
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        _check_deadline()
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        _check_deadline()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        _check_deadline()
+        return super().getitem(obj, argument)
 
 
 def _raise_exception(message: str) -> None:
@@ -85,7 +130,7 @@ def _make_dict(*args: Any, **kwargs: Any) -> dict[Any, Any]:
 
 @lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTag]
     )
     env.filters["tojson"] = _tojson
@@ -116,8 +161,11 @@ def render_chat_template(
 ) -> str:
     """Renders `messages` (OpenAI-shaped dicts) to the prompt text the model was trained on."""
     template = _compile(source)
+    chunks: list[str] = []
+    size = 0
+    _render.deadline = time.monotonic() + MAX_RENDER_SECONDS
     try:
-        text: str = template.render(
+        for chunk in template.generate(
             messages=[_alias_reasoning(m) for m in messages],
             tools=list(tools) if tools else None,
             documents=None,
@@ -125,7 +173,12 @@ def render_chat_template(
             bos_token=bos_token or "",
             eos_token=eos_token or "",
             **kwargs,
-        )
+        ):
+            size += len(chunk)
+            if size > MAX_RENDER_CHARS:
+                raise ChatTemplateError(f"chat template wrote more than {MAX_RENDER_CHARS} characters")
+            _check_deadline()
+            chunks.append(chunk)
     except ChatTemplateError:
         raise
     except TemplateError as exc:
@@ -135,7 +188,12 @@ def render_chat_template(
         raise ChatTemplateError(
             f"chat template failed on these messages: {type(exc).__name__}: {exc}"
         ) from exc
-    return text
+    except (ArithmeticError, RecursionError, MemoryError) as exc:
+        # a template is data: whatever it computes wrong fails this request, not the server
+        raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        _render.deadline = None
+    return "".join(chunks)
 
 
 def _alias_reasoning(message: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -4,34 +4,87 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from turbospark.backend import BackendDefaults, ChatModel, ReasoningEffort
-from turbospark.queue import GenerationQueue
-from turbospark.ratecontrol import RateControl
+from turbospark import metrics
+from turbospark.backend import ChatModel, ReasoningEffort
+from turbospark.engine.scheduler import SchedulerConfig
+from turbospark.limits import Limits
+from turbospark.ratecontrol import RateControl, parse_thermal_steps, temperature_source
 from turbospark.registry import ModelRegistry, ServedModel
-from turbospark.scripted import ScriptedChatModel
+from turbospark.scripted import DEMO_MAX_CONTEXT, DEMO_REPLY, ScriptedChatModel
 from turbospark.toolcalls.guardrails import GuardrailConfig
 
 log = logging.getLogger("turbospark")
 
 
-def load_model(spec: str, args: argparse.Namespace) -> ChatModel:
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_active=getattr(args, "max_active", 8),
+        max_waiting=getattr(args, "max_waiting", 64),
+        max_batched_tokens=getattr(args, "max_batched_tokens", 256),
+    )
+
+
+def rate_control(args: argparse.Namespace) -> RateControl:
+    """The process-wide cap every engine paces against."""
+    steps = getattr(args, "thermal_steps", None)
+    source = getattr(args, "thermal_source", None)
+    return RateControl(
+        getattr(args, "max_decode_rate", None),
+        thermal_steps=parse_thermal_steps(steps) if steps else (),
+        temperature=temperature_source(source or ("auto" if steps else None)),
+    )
+
+
+def load_model(spec: str, args: argparse.Namespace, rate: RateControl | None = None) -> ChatModel:
     if spec == "scripted" or spec.startswith("scripted:"):
         replies = None
         if spec.startswith("scripted:"):
             path = Path(spec.split(":", 1)[1])
             replies = [r for r in path.read_text(encoding="utf-8").split("\n---\n") if r]
-        return ScriptedChatModel(replies) if replies else ScriptedChatModel()
+        return ScriptedChatModel(
+            replies or (DEMO_REPLY,),
+            max_context=args.max_context or DEMO_MAX_CONTEXT,
+            scheduler=scheduler_config(args),
+            rate=rate,
+        )
+    from turbospark.engine.embedder import is_encoder_spec, load_embedding_model
+
+    if is_encoder_spec(spec):  # an encoder (BERT) folder or the packaged all-minilm-l6-v2
+        return load_embedding_model(spec, device=args.device, dtype=args.dtype, max_context=args.max_context)
     from turbospark.engine.backend import load_backend
 
     backend: ChatModel = load_backend(
-        spec, device=args.device, dtype=args.dtype, max_context=args.max_context, quant=args.quant
+        spec,
+        device=args.device,
+        dtype=args.dtype,
+        max_context=args.max_context,
+        quant=args.quant,
+        kv_cache_gb=getattr(args, "kv_cache_gb", None),
+        scheduler=scheduler_config(args),
+        rate=rate,
     )
     return backend
+
+
+def model_specs(args: argparse.Namespace) -> list[str]:
+    """--model as given; without it the embedded chat model plus the packaged embedding model
+    (when its package is installed)."""
+    if args.model:
+        return list(args.model)
+    from turbospark.engine.loader import EMBEDDING_MODEL, ModelNotFound, embedding_model_path
+
+    try:
+        embedding_model_path()
+    except ModelNotFound as exc:
+        log.warning("serving no embedding model: %s", exc)
+        return ["smollm2"]
+    return ["smollm2", EMBEDDING_MODEL]
 
 
 def load_into(registry: ModelRegistry, args: argparse.Namespace) -> None:
@@ -39,13 +92,13 @@ def load_into(registry: ModelRegistry, args: argparse.Namespace) -> None:
     system = args.system
     if args.system_file:
         system = Path(args.system_file).read_text(encoding="utf-8")
-    rate = RateControl(args.max_decode_rate)
-    for spec in args.model or ["smollm2"]:
-        backend = load_model(spec, args)
-        if isinstance(backend, BackendDefaults):
-            backend.configure(
-                queue=GenerationQueue(max_active=args.max_active, max_waiting=args.max_waiting), rate=rate
-            )
+    rate = rate_control(args)
+    metrics.watch_rate(rate)
+    for spec in model_specs(args):
+        try:
+            backend = load_model(spec, args, rate)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot load model {spec!r}: {type(exc).__name__}: {exc}") from exc
         served = registry.add(
             ServedModel(
                 backend,
@@ -58,30 +111,72 @@ def load_into(registry: ModelRegistry, args: argparse.Namespace) -> None:
         log.info("serving %s (aliases: %s)", backend.model_id, ", ".join(served.names()[1:]))
 
 
+class ModelLoadError(RuntimeError):
+    """A --model that cannot be loaded; the message names the model and the reason."""
+
+
+API_KEY_ENV = "TURBOSPARK_API_KEY"
+
+
+def api_keys(args: argparse.Namespace) -> frozenset[str]:
+    """Keys from --api-key, --api-key-file (one per line, '#' comments) and $TURBOSPARK_API_KEY."""
+    keys = [k.strip() for k in args.api_key or []]
+    if args.api_key_file:
+        text = Path(args.api_key_file).read_text(encoding="utf-8")
+        keys += [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    if os.environ.get(API_KEY_ENV, "").strip():
+        keys.append(os.environ[API_KEY_ENV].strip())
+    if any(not k for k in keys):
+        raise ValueError("an API key may not be empty")
+    return frozenset(keys)
+
+
+LIMIT_FLAGS = (
+    "max_body_bytes",
+    "max_messages",
+    "max_prompt_tokens",
+    "max_output_tokens",
+    "max_tools",
+    "max_image_bytes",
+    "max_image_pixels",
+)
+
+
+def limits_from(args: argparse.Namespace) -> Limits:
+    given = {name: getattr(args, name) for name in LIMIT_FLAGS if getattr(args, name, None) is not None}
+    return Limits(**given)
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from turbospark.api.common import ServerState
-    from turbospark.server import create_app
+    from turbospark.server import GracefulServer, create_app
 
-    keys = frozenset(args.api_key or [])
+    try:
+        keys = api_keys(args)
+    except (OSError, ValueError) as exc:
+        log.error("API keys: %s", exc)
+        return 2
     if args.system_file and not Path(args.system_file).is_file():
         log.error("--system-file %s: no such file", args.system_file)
         return 2
-    registry = ModelRegistry(fallback=args.fallback_model)
-    registry.num_loading = len(args.model or ["smollm2"])
-    app = create_app(ServerState(registry=registry, api_keys=keys))
+    limits = limits_from(args)
+    registry = ModelRegistry(fallback=args.fallback_model, limits=limits)
+    args.model = model_specs(args)
+    registry.num_loading = len(args.model)
+    state = ServerState(registry=registry, api_keys=keys, max_body_bytes=limits.max_body_bytes)
+    app = create_app(state, cors_origins=args.cors_origins or ())
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
-    )
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    server = GracefulServer(config, state.shutdown, grace_seconds=args.shutdown_timeout)
 
     def load() -> None:
         try:
             load_into(registry, args)
         except Exception as exc:  # a model that cannot load stops the server with its reason
-            log.error("cannot load model: %s", exc)
+            log.error("%s", exc)
             server.should_exit = True
             failed.append(exc)
 
@@ -125,18 +220,56 @@ def parser() -> argparse.ArgumentParser:
         "--model",
         action="append",
         help="a GGUF path, a Hugging Face folder or cached id, a pulled name (qwen2.5-coder:0.5b), "
-        "'scripted' (a demo backend with no weights), or 'smollm2' (the embedded default); repeatable",
+        "'scripted' (a demo backend with no weights), 'smollm2' (the embedded default) or "
+        "'all-minilm-l6-v2' (the packaged embedding model); repeatable (default: both of those)",
     )
     s.add_argument("--fallback-model", help="serve requests for unknown model ids with this model")
     group = s.add_mutually_exclusive_group()
     group.add_argument("--system", help="default system prompt for requests that carry none")
     group.add_argument("--system-file", help="read the default system prompt from this file")
     s.add_argument("--reasoning", choices=[e.value for e in ReasoningEffort], help="default reasoning effort")
-    s.add_argument("--api-key", action="append", help="require this key (Bearer or x-api-key); repeatable")
+    s.add_argument(
+        "--api-key",
+        action="append",
+        help=f"require this key (Bearer or x-api-key; /health stays open); repeatable; also read from "
+        f"${API_KEY_ENV}",
+    )
+    s.add_argument("--api-key-file", help="read API keys from this file, one per line")
+    s.add_argument(
+        "--cors-origins",
+        type=lambda v: [o.strip() for o in v.split(",") if o.strip()],
+        help="comma-separated origins browsers may call from ('*' for any); default: CORS off",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds running replies get to finish before they are ended (default 30)",
+    )
     s.add_argument("--no-guardrails", action="store_true", help="turn tool-call repair and validation off")
     s.add_argument("--max-decode-rate", type=float, help="cap decoded tokens per second, process-wide")
-    s.add_argument("--max-active", type=int, default=1, help="generations running at once per model")
+    s.add_argument(
+        "--thermal-steps",
+        help="lower the decode-rate cap as the temperature rises: TEMP:RATE,... (e.g. 70:20,80:5)",
+    )
+    s.add_argument(
+        "--thermal-source",
+        help="where temperatures come from: auto (default with --thermal-steps), linux, nvml, file:PATH",
+    )
+    s.add_argument("--max-active", type=int, default=8, help="sequences batched together per model")
     s.add_argument("--max-waiting", type=int, default=64, help="requests waiting per model before 429")
+    s.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=256,
+        help="tokens one engine step feeds (prompt chunks and decodes together)",
+    )
+    s.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        default=None,
+        help="KV-cache budget per model in GiB (default: a fifth of free memory, at most 8)",
+    )
     s.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     s.add_argument("--dtype", default=None, help="weight dtype (default: the engine's choice for the device)")
     s.add_argument("--max-context", type=int, default=None, help="cap the context length")
@@ -146,6 +279,19 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         help="weight-only quantization (auto: int4 for Q4 GGUF weights, else int8, on CPU)",
     )
+    defaults = Limits()
+    limits = s.add_argument_group("request limits (each refused with a 4xx that names it)")
+    for flag, default, what in (
+        ("--max-body-bytes", defaults.max_body_bytes, "request body size"),
+        ("--max-messages", defaults.max_messages, "messages per request"),
+        ("--max-prompt-tokens", None, "prompt tokens (default: the model's context)"),
+        ("--max-output-tokens", defaults.max_output_tokens, "max_tokens a request may ask for"),
+        ("--max-tools", defaults.max_tools, "tools per request"),
+        ("--max-image-bytes", defaults.max_image_bytes, "bytes per image"),
+        ("--max-image-pixels", defaults.max_image_pixels, "pixels per image (read from its header)"),
+    ):
+        shown = "" if default is None else f" (default {default})"
+        limits.add_argument(flag, type=int, default=None, help=what + shown)
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=serve)
 

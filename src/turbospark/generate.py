@@ -1,12 +1,13 @@
 """Runs a plan on its backend off the event loop and streams events back into it.
 
-`stream_choice` is the one async entry every API uses. It takes the backend's FIFO slot, runs
-`run_completion` on a worker thread, turns each token into events there (`OutputPipeline`) and
-hands them to the event loop as they are made. When the consumer stops listening (the client
-disconnected, or the caller closed the generator) the cancel flag is set, and the slot is only
-given back once the worker has actually stopped. A `Ping` is yielded whenever nothing arrived for
-`ping_interval` seconds, in the queue or during a long prefill, so SSE APIs can keep idle
-clients connected.
+`stream_choice` is the one async entry every API uses. It runs `run_completion` on a worker
+thread (the backend's engine puts it in its FIFO line and batches it), turns each token into
+events there (`OutputPipeline`) and hands them to the event loop as they are made. When the
+consumer stops listening (the client disconnected, or the caller closed the generator) the
+cancel flag is set, and the generator only returns once the worker has actually stopped. A full
+line is an `OVERLOADED` error (429 / 529 / 503 with Retry-After, by API). A `Ping` is yielded
+whenever nothing arrived for `ping_interval` seconds, in the line or during a long prefill, so
+SSE APIs can keep idle clients connected.
 """
 
 from __future__ import annotations
@@ -15,15 +16,13 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 
 from turbospark.backend import BackendError, CompletionResult, TokenEvent
+from turbospark.engine.scheduler import EngineOverloaded
 from turbospark.errors import ApiError, ErrorKind
 from turbospark.events import Event, Finish, Ping
 from turbospark.output import OutputPipeline
 from turbospark.plan import Plan
-
-_executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="turbospark-gen")
 
 _DONE = object()
 
@@ -38,33 +37,15 @@ async def stream_choice(
 ) -> AsyncIterator[Event]:
     """Events of one choice; the last one is always `Finish` (unless an error is raised)."""
     backend = plan.backend
-    queue = backend.generation_queue()
-    if queue is not None:
-        # Waiting in line pings too: a client's idle timeout must not fire while it is queued.
-        slot = asyncio.ensure_future(queue.acquire())
-        try:
-            while not slot.done():
-                await asyncio.wait({slot}, timeout=ping_interval)
-                if not slot.done():
-                    yield Ping()
-            slot.result()  # a full line raises here
-        except BaseException:
-            if not slot.done():
-                slot.cancel()  # the consumer left while in line: acquire() takes it out of the line
-            elif not slot.cancelled() and slot.exception() is None:
-                queue.release()  # the slot arrived just as the consumer left
-            raise
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue[object] = asyncio.Queue()
     cancel = threading.Event()
     pipeline = OutputPipeline(plan)
     config = plan.config_for_choice(index)
-    rate = backend.rate_control()
     images = plan.request.images() or None
+    stopped = loop.create_future()
 
     def on_progress(token: TokenEvent) -> None:
-        if rate is not None:
-            rate.pace()
         events = pipeline.feed(token)
         if pipeline.stopped:
             cancel.set()
@@ -81,8 +62,12 @@ async def stream_choice(
             loop.call_soon_threadsafe(inbox.put_nowait, _DONE)
         except BaseException as exc:  # handed to the event loop, re-raised there
             loop.call_soon_threadsafe(inbox.put_nowait, _Failure(exc))
+        finally:
+            loop.call_soon_threadsafe(_settle, stopped)
 
-    future = loop.run_in_executor(_executor, work)
+    # One thread per generation, blocked in run_completion while the engine batches it: a
+    # pool would cap how many requests can wait in the engine's line.
+    threading.Thread(target=work, name="turbospark-gen", daemon=True).start()
     try:
         while True:
             try:
@@ -90,7 +75,7 @@ async def stream_choice(
                     await asyncio.wait_for(inbox.get(), ping_interval) if ping_interval else await inbox.get()
                 )
             except TimeoutError:
-                yield Ping()
+                yield Ping()  # in the engine's line or in a long prefill
                 continue
             if item is _DONE:
                 return
@@ -100,11 +85,14 @@ async def stream_choice(
             for event in item:
                 yield event
     finally:
-        cancel.set()
+        cancel.set()  # the consumer left (or finished): the engine drops the sequence
         with contextlib.suppress(BaseException):
-            await asyncio.shield(future)
-        if queue is not None:
-            queue.release()
+            await asyncio.shield(stopped)
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 async def run_choice(plan: Plan, index: int = 0) -> list[Event]:
@@ -115,6 +103,8 @@ async def run_choice(plan: Plan, index: int = 0) -> list[Event]:
 def _as_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, EngineOverloaded):
+        return ApiError(ErrorKind.OVERLOADED, str(exc), retry_after=exc.retry_after)
     if isinstance(exc, BackendError):
         kind = ErrorKind.INVALID_REQUEST if exc.status < 500 else ErrorKind.INTERNAL
         return ApiError(kind, str(exc), status=exc.status)

@@ -422,5 +422,5 @@ def processors_for_plan(plan: PlanFacts) -> list[LogitsProcessor]:
                 may_open_think=may_think and not plan.start_in_reasoning,
             )
         )
-        GRAMMAR_REQUESTS.inc(kind=kind)
+        GRAMMAR_REQUESTS.labels(kind=kind).inc()
     return out

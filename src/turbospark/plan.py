@@ -25,6 +25,7 @@ from turbospark.backend import ChatModel, GenerationConfig, ReasoningEffort
 from turbospark.chat_template import CHATML_TEMPLATE, ChatTemplateError, render_chat_template
 from turbospark.errors import invalid
 from turbospark.grammar import processors_for_plan
+from turbospark.limits import check_images, check_prompt_tokens, check_request
 from turbospark.registry import ModelRegistry
 from turbospark.request import ChatRequest, Message, Tool, ToolChoiceMode
 from turbospark.toolcalls.guardrails import GuardrailConfig
@@ -148,6 +149,7 @@ def _with_default_system(messages: list[Message], system: str | None) -> list[Me
 
 
 def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
+    check_request(request, registry.limits)
     tools = callable_tools(request)  # the request alone decides this: refused before any lookup
     served = registry.resolve(request.model)
     backend = served.backend
@@ -158,6 +160,7 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
             "or choose a vision model",
             "messages",
         )
+    check_images(request, registry.limits)
     tokenizer = backend.tokenizer
     effort = reasoning_effort(request, served.default_reasoning)
     template = tokenizer.chat_template or CHATML_TEMPLATE
@@ -188,6 +191,7 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
     if not prompt_ids:
         raise invalid("the prompt is empty after rendering", "messages")
     num_prompt = len(prompt_ids)
+    check_prompt_tokens(num_prompt, registry.limits)
     if num_prompt >= backend.max_context:
         raise invalid(
             f"the prompt is {num_prompt} tokens, which does not fit model {backend.model_id!r}'s context of "

@@ -6,9 +6,10 @@ only knows model facts and how to run a completion. `turbospark.plan` is the one
 policy.
 
 An exact id or alias routes; Ollama-style names also resolve with their `:latest` tag dropped.
-Every model is also served as `claude-turbospark-<id>`: Claude Code's gateway discovery keeps
-only model ids that start with "claude" or "anthropic". An unknown id is a 404 in the caller's
-envelope unless a fallback model was configured.
+Every model that generates is also served as `claude-turbospark-<id>`: Claude Code's gateway
+discovery keeps only model ids that start with "claude" or "anthropic"; an embedding model gets
+no such alias, or Claude Code would offer it as a chat model. An unknown id is a 404 in the
+caller's envelope unless a fallback model was configured.
 """
 
 from __future__ import annotations
@@ -18,9 +19,19 @@ from dataclasses import dataclass, field
 
 from turbospark.backend import ChatModel, ReasoningEffort
 from turbospark.errors import ApiError, ErrorKind
+from turbospark.limits import Limits
 from turbospark.toolcalls.guardrails import GuardrailConfig
 
 CLAUDE_CODE_ALIAS_PREFIX = "claude-turbospark-"
+
+
+def model_kinds(backend: ChatModel) -> list[str]:
+    """What a model serves, for the model listings: "completion" and/or "embedding". A backend
+    may declare it (`capabilities`, as the embedding backend does); else it follows the protocol."""
+    declared = getattr(backend, "capabilities", None)
+    if declared is not None:
+        return list(declared)
+    return ["completion", "embedding"] if backend.supports_embeddings() else ["completion"]
 
 
 @dataclass(slots=True)
@@ -37,15 +48,20 @@ class ServedModel:
         return self.backend.model_id
 
     def names(self) -> list[str]:
-        """The id, the backend's own aliases, then the Claude Code alias (see the docstring)."""
+        """The id, the backend's own aliases, then the Claude Code alias (see the docstring).
+        A model that cannot generate (an embedding encoder) gets no Claude Code alias: Claude
+        Code would offer it as a chat model."""
         names = [self.backend.model_id, *self.backend.aliases()]
+        if "completion" not in model_kinds(self.backend):
+            return names
         claude = CLAUDE_CODE_ALIAS_PREFIX + self.backend.model_id
         return names if claude in names else [*names, claude]
 
 
 class ModelRegistry:
-    def __init__(self, fallback: str | None = None) -> None:
+    def __init__(self, fallback: str | None = None, limits: Limits | None = None) -> None:
         self._served: list[ServedModel] = []
+        self.limits = limits or Limits()  # per-request bounds, checked in plan.py
         self._by_name: dict[str, ServedModel] = {}
         self.fallback = fallback
         self.num_loading = 0  # models announced but not loaded yet: /health answers 503

@@ -14,6 +14,7 @@ from it with the exponential race: argmax(p / E), E ~ Exp(1), picks i with proba
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -137,6 +138,82 @@ def sample(
         torch.set_num_threads(num_threads)
 
 
+class SamplingRow(Protocol):
+    """One sequence as the batched sampler reads it (the engine's `Sequence`)."""
+
+    config: GenerationConfig
+    generator: torch.Generator
+    token_ids: list[int]
+
+    @property
+    def generated_ids(self) -> list[int]: ...
+
+
+def sample_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[TokenEvent | Exception]:
+    """The next token of every row of logits (num_rows, vocab), row i belonging to `rows[i]`.
+
+    Greedy rows take one argmax over the whole batch; a row with penalties or processors is
+    edited in place first; sampled rows draw from their own seeded generator, so a seed gives the
+    same tokens whatever else shares the batch. A row whose processor raises gets the exception
+    instead of a token (its request fails; the others go on).
+    """
+    if not rows:
+        return []
+    num_threads = torch.get_num_threads()
+    single = num_threads > 1 and logits.device.type == "cpu"
+    if single:
+        torch.set_num_threads(1)  # see `sample`: small ops over the vocabulary stall on busy cores
+    try:
+        return _sample_batch(logits, rows)
+    finally:
+        if single:
+            torch.set_num_threads(num_threads)
+
+
+def _sample_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[TokenEvent | Exception]:
+    logits = logits.detach().to(torch.float32)
+    out: list[TokenEvent | Exception | None] = [None] * len(rows)
+    for i, row in enumerate(rows):
+        c = row.config
+        penalized = c.repetition_penalty != 1.0 or c.presence_penalty or c.frequency_penalty
+        if c.logit_bias or penalized or c.processors:
+            try:
+                apply_penalties(logits[i], c, row.token_ids, row.generated_ids)
+                for proc in c.processors:
+                    proc(row.generated_ids, logits[i])
+            except Exception as exc:
+                out[i] = exc
+    greedy = [i for i, row in enumerate(rows) if row.config.is_greedy and out[i] is None]
+    if greedy:
+        picked = (logits[greedy] if len(greedy) < len(rows) else logits).argmax(dim=-1).tolist()
+        for i, token_id in zip(greedy, picked, strict=True):
+            out[i] = TokenEvent(token_id=int(token_id))
+    for i, row in enumerate(rows):
+        if out[i] is None:
+            ids, probs = candidates(logits[i], row.config)
+            race = torch.rand(probs.shape, generator=row.generator).log_().neg_()
+            out[i] = TokenEvent(token_id=int(ids[torch.argmax(probs / race)]))
+    wants_logprobs = [
+        i
+        for i, row in enumerate(rows)
+        if row.config.num_top_logprobs is not None and isinstance(out[i], TokenEvent)
+    ]
+    if wants_logprobs:
+        logprobs = torch.log_softmax(logits[wants_logprobs], dim=-1)
+        for j, i in enumerate(wants_logprobs):
+            event = out[i]
+            assert isinstance(event, TokenEvent)
+            _attach_logprobs(event, logprobs[j], rows[i].config)
+    return [e for e in out if e is not None]
+
+
+def _attach_logprobs(event: TokenEvent, logprobs: torch.Tensor, config: GenerationConfig) -> None:
+    event.logprob = float(logprobs[event.token_id])
+    if config.num_top_logprobs:
+        top = torch.topk(logprobs, min(config.num_top_logprobs, logprobs.shape[0]))
+        event.top_logprobs = [(int(i), float(v)) for v, i in zip(top.values, top.indices, strict=True)]
+
+
 def _sample(
     logits: torch.Tensor,
     config: GenerationConfig,
@@ -157,9 +234,5 @@ def _sample(
         token_id = int(ids[torch.argmax(probs / race)])
     event = TokenEvent(token_id=token_id)
     if config.num_top_logprobs is not None:
-        logprobs = torch.log_softmax(logits, dim=-1)
-        event.logprob = float(logprobs[token_id])
-        if config.num_top_logprobs > 0:
-            top = torch.topk(logprobs, min(config.num_top_logprobs, logprobs.shape[0]))
-            event.top_logprobs = [(int(i), float(v)) for v, i in zip(top.values, top.indices, strict=True)]
+        _attach_logprobs(event, torch.log_softmax(logits, dim=-1), config)
     return event

@@ -1,19 +1,28 @@
-"""The scripted backend: replays fixed replies through the real decode loop and sampler.
+"""The scripted backend: replays fixed replies through the real engine, scheduler and sampler.
 
 It exists so tests can prove envelopes, templating and stream framing byte for byte with no
-weights. Its tokenizer is a real byte-level BPE (one token per byte, plus ChatML, `<think>` and
-`<tool_call>` tokens), so multi-byte characters arrive split across tokens exactly as they do
-from a real model. Each call replays the next reply of its script, whatever the prompt: the
-logits put the reply's token far ahead of two runner-ups (which logprobs then show), so any
-sampling settings reproduce the reply.
+weights. Its "model" is a fake step runner under the same `Engine` the PyTorch backend uses
+(FIFO admission, batching, the block manager and prefix cache, the rate cap, cancellation), so
+the suite drives the real scheduler. Its tokenizer is a real byte-level BPE (one token per
+byte, plus ChatML, `<think>` and `<tool_call>` tokens), so multi-byte characters arrive split
+across tokens exactly as they do from a real model. Each call replays the next reply of its
+script, whatever the prompt: the logits put the reply's token far ahead of two runner-ups
+(which logprobs then show), so any sampling settings reproduce the reply.
+
+The demo's context (128k tokens) holds Claude Code's first request, which renders to ~77k
+tokens with the byte tokenizer; its KV cache is bookkeeping only (no tensors), so a large one
+costs nothing.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import tokenizers
 import torch
@@ -29,8 +38,17 @@ from turbospark.backend import (
     RequestImage,
 )
 from turbospark.chat_template import CHATML_TEMPLATE
-from turbospark.decode import run_decode_loop
+from turbospark.engine.engine import Engine
+from turbospark.engine.kv_cache import BlockManager
+from turbospark.engine.scheduler import Scheduler, SchedulerConfig
+from turbospark.ratecontrol import RateControl
 from turbospark.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from turbospark.engine.scheduler import ScheduledBatch
+
+DEMO_MAX_CONTEXT = 131072
+BLOCK_SIZE = 16
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MARKUP_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -70,28 +88,42 @@ def byte_tokenizer() -> Tokenizer:
     return Tokenizer(hf, config)
 
 
-class _ReplayProducer:
-    """Logits that make `script` the only likely continuation, one step per token."""
+@dataclass(slots=True)
+class Replay:
+    """A sequence's `runner_state`: the reply's token ids, and what feeding a prompt token
+    costs (seconds; 0 for the demo), so tests can stand in for a long prefill."""
 
-    def __init__(self, script: list[int], vocab_size: int) -> None:
-        self.script = script
-        self.vocab_size = vocab_size
-        self.position = 0
+    script: list[int]
+    seconds_per_prompt_token: float = 0.0
 
-    def _logits(self) -> torch.Tensor:
-        logits = torch.full((self.vocab_size,), -100.0)
-        token = self.script[min(self.position, len(self.script) - 1)]
-        logits[(token + 1) % self.vocab_size] = -30.0
-        logits[(token + 2) % self.vocab_size] = -31.0
-        logits[token] = 0.0
+
+class ReplayRunner:
+    """A fake model under the engine: each sequence's logits make its script's next token the
+    only likely one (position = tokens generated so far)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self._vocab_size = vocab_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        cost = 0.0
+        for seq, n in zip(batch.seqs, batch.num_new, strict=True):
+            fed_prompt = min(n, max(0, seq.num_prompt_tokens - seq.num_computed_tokens))
+            cost += fed_prompt * seq.runner_state.seconds_per_prompt_token
+        if cost > 0:
+            time.sleep(cost)
+        rows = [seq for seq, wants in zip(batch.seqs, batch.samples, strict=True) if wants]
+        logits = torch.full((len(rows), self._vocab_size), -100.0)
+        for i, seq in enumerate(rows):
+            script = seq.runner_state.script
+            token = script[min(seq.num_generated, len(script) - 1)]
+            logits[i, (token + 1) % self._vocab_size] = -30.0
+            logits[i, (token + 2) % self._vocab_size] = -31.0
+            logits[i, token] = 0.0
         return logits
-
-    def prefill(self, prompt_ids: Sequence[int], cancel: CancelFlag) -> torch.Tensor | None:
-        return None if cancel.is_set() else self._logits()
-
-    def step(self, token_id: int) -> torch.Tensor:
-        self.position += 1
-        return self._logits()
 
 
 class ScriptedChatModel(BackendDefaults):
@@ -100,8 +132,10 @@ class ScriptedChatModel(BackendDefaults):
         replies: Sequence[str] = (DEMO_REPLY,),
         *,
         model_id: str = "scripted",
-        max_context: int = 4096,
+        max_context: int = DEMO_MAX_CONTEXT,
         tokenizer: Tokenizer | None = None,
+        scheduler: SchedulerConfig | None = None,
+        rate: RateControl | None = None,
     ) -> None:
         if not replies:
             raise ValueError("a scripted backend needs at least one reply")
@@ -115,6 +149,14 @@ class ScriptedChatModel(BackendDefaults):
         assert eos is not None
         self._end_id = eos
         self.prompts: list[list[int]] = []  # every prompt seen, for tests to inspect
+        num_blocks = -(-max_context // BLOCK_SIZE) * 2
+        self.engine = Engine(
+            ReplayRunner(self._tokenizer.vocab_size),
+            Scheduler(scheduler or SchedulerConfig(), BlockManager(num_blocks, BLOCK_SIZE)),
+            max_context=max_context,
+            rate=rate,
+            name=model_id,
+        )
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -145,5 +187,9 @@ class ScriptedChatModel(BackendDefaults):
             self.prompts.append(list(prompt_ids))
         script = [*self._tokenizer.encode(reply), self._end_id]
         config.stop_token_ids = config.stop_token_ids | {self._end_id}
-        producer = _ReplayProducer(script, self.vocab_size)
-        return run_decode_loop(producer, prompt_ids, config, self._max_context, cancel, on_progress)
+        replay = Replay(script, self.seconds_per_prompt_token(len(prompt_ids)))
+        return self.engine.run(prompt_ids, config, cancel, on_progress, runner_state=replay)
+
+    def seconds_per_prompt_token(self, num_prompt_tokens: int) -> float:
+        """What feeding one prompt token costs; 0: a prefill is instant (tests override)."""
+        return 0.0

@@ -2,15 +2,23 @@
 
 `LiveServer` starts uvicorn on 127.0.0.1 with a free port in a background thread and stops it
 on exit. Tests drive it with the real client libraries (openai, anthropic, ollama) exactly as a
-user would, over HTTP.
+user would, over HTTP. `ServerProcess` runs `turbospark serve` as a subprocess instead, for what
+only a whole process shows (signals, exit status, start-up failures, the server's log).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Sequence
+from pathlib import Path
 from types import TracebackType
 
 import uvicorn
@@ -35,6 +43,7 @@ class LiveServer:
         *,
         state: ServerState | None = None,
         api_keys: Sequence[str] = (),
+        cors_origins: Sequence[str] = (),
     ) -> None:
         if state is None:
             registry = ModelRegistry()
@@ -44,7 +53,11 @@ class LiveServer:
         self.state = state
         self.port = free_port()
         config = uvicorn.Config(
-            create_app(state), host="127.0.0.1", port=self.port, log_level="warning", access_log=False
+            create_app(state, cors_origins=cors_origins),
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            access_log=False,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -67,3 +80,60 @@ class LiveServer:
     ) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+class ServerProcess:
+    """`python -m turbospark serve ARGS` on a free loopback port; its log goes to a temp file."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        # Lives as long as the server does; closed and removed in __exit__.
+        self._log = tempfile.NamedTemporaryFile(prefix="turbospark-serve-", suffix=".log", delete=False)  # noqa: SIM115
+        src = str(Path(__file__).resolve().parent.parent)
+        cmd = [sys.executable, "-m", "turbospark", "serve", "--port", str(self.port), *args]
+        base = {"PYTHONPATH": src, "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+        self.proc = subprocess.Popen(cmd, env={**base, **(env or {})}, stdout=self._log, stderr=self._log)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return Path(self._log.name).read_text(encoding="utf-8", errors="replace")
+
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server never became healthy:\n{self.log()}")
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """Sends SIGTERM and returns the exit status (negative: ended by a signal)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+    def __enter__(self) -> ServerProcess:
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self._log.close()
+        os.unlink(self._log.name)

@@ -85,9 +85,9 @@ def test_batch_of_two_sequences_equals_each_alone(family: str) -> None:
 
 def test_scattered_blocks_read_like_contiguous_ones() -> None:
     runner, ref = make_runner("llama", block_size=4, max_num_seqs=4)
-    allocator = runner.kv_cache.allocator
-    taken = allocator.allocate(6)
-    allocator.free(taken[::2])  # free blocks 0, 2, 4: the next sequence gets a gappy table
+    blocks = runner.block_manager
+    taken = blocks.allocate(6)
+    blocks.release(taken[::2])  # free blocks 0, 2, 4: the next sequence gets a gappy table
     seq = SequenceState()
     ids = random_ids(18, seed=6)
     runner.forward([(seq, ids[:10])])

@@ -47,7 +47,7 @@ def test_greedy_generation_equals_the_reference_loop() -> None:
     assert [e.token_id for e in progress.events] == result.token_ids  # every token, in order
     assert result.finish_reason is FinishReason.LENGTH
     assert result.num_prompt_tokens == len(PROMPT)
-    assert runner.kv_cache.allocator.num_free_blocks == runner.kv_cache.num_blocks  # blocks returned
+    assert runner.block_manager.num_free_blocks == runner.block_manager.num_blocks  # blocks returned
 
 
 def test_stop_token_ends_the_sequence_and_is_not_emitted() -> None:
@@ -115,7 +115,7 @@ def test_cancel_during_prefill_stops_at_the_next_chunk() -> None:
     assert runner.num_forwards == 2
     assert result.finish_reason is FinishReason.CANCELLED
     assert result.token_ids == [] and progress.events == []
-    assert runner.kv_cache.allocator.num_free_blocks == runner.kv_cache.num_blocks
+    assert runner.block_manager.num_free_blocks == runner.block_manager.num_blocks
 
 
 def test_cancel_during_decode_stops_within_one_token() -> None:

@@ -29,6 +29,7 @@ Mapping decisions, stated once:
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import secrets
@@ -578,17 +579,17 @@ async def messages(request: Request) -> Response:
     plan = make_plan(chat, state.registry)
     ident = new_id("msg_")
     if chat.stream:
-        return await _stream_message(plan, ident, state.ping_interval)
+        return await _stream_message(request, plan, ident, state.ping_interval)
     (choice,) = await collect(request, plan)
     return Response(orjson.dumps(message_object(ident, chat.model, choice)), media_type="application/json")
 
 
-async def _stream_message(plan: Plan, ident: str, ping_interval: float) -> Response:
+async def _stream_message(request: Request, plan: Plan, ident: str, ping_interval: float) -> Response:
     chat = plan.request
     # An error before the first event (a full queue, a prompt the backend refuses) is still a
     # plain HTTP error; anything after the stream started is an `event: error` frame. The first
     # event comes within one ping interval even while the request waits in line.
-    events = await start_stream(plan, ping_interval)
+    events = await start_stream(request, plan, ping_interval)
 
     start = {
         "type": "message_start",
@@ -620,7 +621,8 @@ async def _stream_message(plan: Plan, ident: str, ping_interval: float) -> Respo
         except ApiError as exc:
             yield sse_event("error", anthropic_error_body(exc))
         finally:
-            await events.aclose()
+            with contextlib.suppress(BaseException):  # torn down on disconnect: stop generating
+                await events.aclose()
 
     return sse_response(frames())
 

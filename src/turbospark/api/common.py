@@ -3,6 +3,11 @@
 `endpoint(render_error)` wraps a handler so that auth is checked, the body is read within its
 size bound, and any `ApiError` (or unexpected exception, as a 500) is rendered by that API's own
 error renderer: a client always gets its own envelope.
+
+Graceful stop (`Shutdown`): once draining, new requests get a 503; replies still running go on
+until the grace period ends, then each event stream read through `until_shutdown` (and each
+non-streaming wait in `until_disconnect`) ends with an `ApiError` that the API renders as its
+own final error event, between two whole frames.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -32,6 +37,43 @@ Handler = Callable[[Request], Awaitable[Response]]
 ErrorRenderer = Callable[[ApiError], Response]
 
 
+class Shutdown:
+    """Draining, then (after the grace period) ending what is still running."""
+
+    def __init__(self) -> None:
+        self.is_draining = False
+        self.is_aborted = False
+        self._timeouts: set[asyncio.Timeout] = set()
+        self._aborted: asyncio.Event | None = None
+
+    def begin(self, grace_seconds: float) -> None:
+        """Stop taking requests; end the running ones after `grace_seconds`. On the event loop."""
+        if self.is_draining:
+            return
+        self.is_draining = True
+        asyncio.get_running_loop().call_later(max(0.0, grace_seconds), self.abort)
+
+    def abort(self) -> None:
+        """End every reply still running now (each with its API's error event). On the event loop."""
+        self.is_aborted = True
+        now = asyncio.get_running_loop().time()
+        for timeout in list(self._timeouts):
+            timeout.reschedule(now)
+        self.aborted_event().set()
+
+    def aborted_event(self) -> asyncio.Event:
+        if self._aborted is None:
+            self._aborted = asyncio.Event()
+        return self._aborted
+
+    def error(self) -> ApiError:
+        return ApiError(
+            ErrorKind.UNAVAILABLE,
+            "the server is shutting down: this reply was ended at the end of its grace period",
+            retry_after=1.0,
+        )
+
+
 @dataclass
 class ServerState:
     registry: ModelRegistry
@@ -39,6 +81,7 @@ class ServerState:
     max_body_bytes: int = 64 * 1024 * 1024
     ping_interval: float = 10.0
     started: float = field(default_factory=time.time)
+    shutdown: Shutdown = field(default_factory=Shutdown)
 
 
 def state_of(request: Request) -> ServerState:
@@ -83,6 +126,8 @@ def endpoint(render_error: ErrorRenderer, *, auth: bool = True) -> Callable[[Han
             try:
                 if auth:
                     check_auth(request)
+                if state_of(request).shutdown.is_draining:
+                    raise ApiError(ErrorKind.UNAVAILABLE, "the server is shutting down", retry_after=1.0)
                 return await handler(request)
             except ApiError as exc:
                 return render_error(exc)
@@ -108,20 +153,59 @@ async def until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
             if message["type"] == "http.disconnect":
                 return
 
+    shutdown = state_of(request).shutdown
     watcher = asyncio.ensure_future(watch())
+    stopper = asyncio.ensure_future(shutdown.aborted_event().wait())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watcher, stopper}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not task.done():
             task.cancel()
-        watcher.cancel()
-        with contextlib.suppress(BaseException):
-            await watcher
+            # Wait for the work to unwind (it gives its slot back only once its worker stopped);
+            # a cancelled task has no result to read.
+            with contextlib.suppress(BaseException):
+                await task
+        for helper in (watcher, stopper):
+            helper.cancel()
+            with contextlib.suppress(BaseException):
+                await helper
     if task.cancelled():
-        with contextlib.suppress(BaseException):
-            await task
+        if shutdown.is_aborted:
+            raise shutdown.error()
         raise ApiError(ErrorKind.INVALID_REQUEST, "client disconnected", status=499)
     return task.result()
+
+
+async def until_shutdown(request: Request, events: AsyncIterator[T]) -> AsyncGenerator[T, None]:
+    """`events`, ended by `Shutdown.error()` (an `ApiError`) once the grace period is over.
+
+    The API's stream body catches that error like any other and writes its error event: the
+    cut falls between two events, so no frame is ever torn.
+    """
+    shutdown = state_of(request).shutdown
+    try:
+        while True:
+            if shutdown.is_aborted:
+                raise shutdown.error()
+            try:
+                async with asyncio.timeout(None) as bound:  # armed by Shutdown.abort()
+                    shutdown._timeouts.add(bound)
+                    try:
+                        item = await anext(events)
+                    finally:
+                        shutdown._timeouts.discard(bound)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                if shutdown.is_aborted:
+                    raise shutdown.error() from None
+                raise
+            yield item
+    finally:
+        close = getattr(events, "aclose", None)
+        if close is not None:
+            with contextlib.suppress(BaseException):  # stops the generation behind it
+                await close()
 
 
 def sse_response(body: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> StreamingResponse:

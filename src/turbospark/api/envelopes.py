@@ -70,9 +70,13 @@ def anthropic_error(exc: ApiError) -> Response:
     )
 
 
+OLLAMA_OVERLOADED_STATUS = 503  # Ollama's own "server busy" status for a full line
+
+
 def ollama_error_body(exc: ApiError) -> dict[str, Any]:
     return {"error": exc.message}
 
 
 def ollama_error(exc: ApiError) -> Response:
-    return JSONResponse(ollama_error_body(exc), status_code=exc.status, headers=retry_headers(exc))
+    status = OLLAMA_OVERLOADED_STATUS if exc.kind is ErrorKind.OVERLOADED else exc.status
+    return JSONResponse(ollama_error_body(exc), status_code=status, headers=retry_headers(exc))

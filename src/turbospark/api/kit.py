@@ -19,7 +19,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from turbospark.api.common import until_disconnect
+from turbospark.api.common import until_disconnect, until_shutdown
 from turbospark.events import (
     Event,
     Finish,
@@ -37,11 +37,14 @@ from turbospark.plan import Plan
 
 
 async def start_stream(
-    plan: Plan, ping_interval: float | None = None, index: int = 0
+    request: Request, plan: Plan, ping_interval: float | None = None, index: int = 0
 ) -> AsyncGenerator[Event, None]:
-    """Starts one choice and waits for its first event (see the module docstring)."""
+    """Starts one choice and waits for its first event (see the module docstring). What it
+    returns is bounded by the server's shutdown (`until_shutdown`)."""
     # stream_choice is an async generator: closing it stops the generation.
-    stream = cast(AsyncGenerator[Event, None], stream_choice(plan, index, ping_interval))
+    stream = until_shutdown(
+        request, cast(AsyncGenerator[Event, None], stream_choice(plan, index, ping_interval))
+    )
     try:
         first = await anext(stream)
     except StopAsyncIteration:
@@ -61,12 +64,13 @@ async def _rejoined(first: Event | None, rest: AsyncGenerator[Event, None]) -> A
 
 
 async def choice_streams(
-    plan: Plan, first: AsyncIterator[Event], ping_interval: float | None
+    request: Request, plan: Plan, first: AsyncIterator[Event], ping_interval: float | None
 ) -> AsyncIterator[tuple[int, AsyncIterator[Event]]]:
-    """Choice 0 (already started) and then each further choice of `plan.request.n`, in turn."""
+    """Choice 0 (already started) and then each further choice of `plan.request.n`, in turn,
+    each bounded by the server's shutdown like the first."""
     yield 0, first
     for index in range(1, plan.request.n):
-        yield index, stream_choice(plan, index, ping_interval)
+        yield index, until_shutdown(request, stream_choice(plan, index, ping_interval))
 
 
 # ---------------------------------------------------------------- non-streaming

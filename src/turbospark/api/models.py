@@ -9,6 +9,7 @@ id and its aliases, Claude Code's included).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from starlette.requests import Request
@@ -18,9 +19,12 @@ from starlette.routing import Route
 from turbospark.api.common import Handler, endpoint, state_of
 from turbospark.api.envelopes import anthropic_error, openai_error
 from turbospark.errors import ApiError, ErrorKind
+from turbospark.registry import model_kinds
 
 
-def model_entry(model_id: str, created: int) -> dict[str, Any]:
+def model_entry(model_id: str, created: int, kinds: Sequence[str] = ("completion",)) -> dict[str, Any]:
+    """One shape both SDKs parse (see the module docstring), and `capabilities` (["completion"],
+    ["embedding"] or both) for clients that pick an embedder."""
     return {
         "id": model_id,
         "object": "model",
@@ -29,13 +33,15 @@ def model_entry(model_id: str, created: int) -> dict[str, Any]:
         "type": "model",
         "display_name": model_id,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
+        "capabilities": list(kinds),
     }
 
 
 async def list_models(request: Request) -> Response:
     registry = state_of(request).registry
-    ids = [name for served in registry.served() for name in served.names()]
-    data = [model_entry(i, registry.created) for i in ids]
+    named = [(name, served) for served in registry.served() for name in served.names()]
+    ids = [name for name, _ in named]
+    data = [model_entry(name, registry.created, model_kinds(s.backend)) for name, s in named]
     return JSONResponse(
         {
             "object": "list",
@@ -50,9 +56,10 @@ async def list_models(request: Request) -> Response:
 async def get_model(request: Request) -> Response:
     registry = state_of(request).registry
     name = request.path_params["model_id"]
-    if registry.lookup(name) is None:
+    served = registry.lookup(name)
+    if served is None:
         raise ApiError(ErrorKind.NOT_FOUND, f"model {name!r} not found", param="model")
-    return JSONResponse(model_entry(name, registry.created))
+    return JSONResponse(model_entry(name, registry.created, model_kinds(served.backend)))
 
 
 def by_caller(handler: Handler) -> Handler:

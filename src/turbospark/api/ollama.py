@@ -49,6 +49,7 @@ from turbospark.chat_template import CHATML_TEMPLATE
 from turbospark.errors import ApiError, invalid
 from turbospark.events import Finish, ReasoningDelta, TextDelta, TokenLogprob, ToolCallArgs, ToolCallStart
 from turbospark.plan import Plan, make_plan
+from turbospark.registry import model_kinds
 from turbospark.request import ChatRequest, Message, ResponseFormat, SamplingParams, ToolCall
 
 # The Ollama API level this server answers as on /api/version: tools that gate features on the
@@ -414,7 +415,7 @@ async def _generate(request: Request, chat_api: bool) -> Response:
         return _respond(_load_reply(chat.model, keep_alive, chat_api), chat.stream)
     plan = make_plan(chat, registry)
     if chat.stream:
-        return await _stream(plan, started, chat_api)
+        return await _stream(request, plan, started, chat_api)
 
     (choice,) = await collect(request, plan)
     calls = [_call_dict(i, c.id, c.name, c.arguments) for i, c in enumerate(choice.calls)]
@@ -423,9 +424,9 @@ async def _generate(request: Request, chat_api: bool) -> Response:
     return Response(orjson.dumps(_done(reply, choice.finish, started)), media_type="application/json")
 
 
-async def _stream(plan: Plan, started: float, chat_api: bool) -> Response:
+async def _stream(request: Request, plan: Plan, started: float, chat_api: bool) -> Response:
     model = plan.request.model
-    events = await start_stream(plan)
+    events = await start_stream(request, plan)
 
     def line(**parts: Any) -> bytes:
         return ndjson_line(_reply(model, chat_api, **parts) | {"done": False})
@@ -502,6 +503,8 @@ def _digest(model_id: str) -> str:
 
 
 def capabilities(backend: ChatModel) -> list[str]:
+    if "completion" not in model_kinds(backend):
+        return model_kinds(backend)  # an embedding model: ["embedding"]
     tokenizer = backend.tokenizer
     template = tokenizer.chat_template or ""
     caps = ["completion"]
@@ -531,7 +534,10 @@ def _listing(backend: ChatModel) -> dict[str, Any]:
 async def tags(request: Request) -> Response:
     registry = state_of(request).registry
     modified = _rfc3339(registry.created)
-    return JSONResponse({"models": [_listing(b) | {"modified_at": modified} for b in registry.backends()]})
+    models = [
+        _listing(b) | {"modified_at": modified, "capabilities": capabilities(b)} for b in registry.backends()
+    ]
+    return JSONResponse({"models": models})
 
 
 async def ps(request: Request) -> Response:
@@ -570,7 +576,8 @@ def _parameters(backend: ChatModel) -> str:
 async def show(request: Request) -> Response:
     body = await read_json(request)
     # LiteLLM and older clients send `name`; current ones send `model`.
-    name = f.string(body, "model") or f.string(body, "name")
+    model, name = f.string(body, "model"), f.string(body, "name")  # both checked, either used
+    name = model or name
     if not name:
         raise invalid("'model' is required", "model")
     registry = state_of(request).registry
@@ -585,6 +592,8 @@ async def show(request: Request) -> Response:
         f"{arch}.context_length": backend.max_context,
         f"{arch}.vocab_size": backend.vocab_size,
     }
+    if getattr(backend, "dimensions", None):
+        info[f"{arch}.embedding_length"] = backend.dimensions  # type: ignore[attr-defined]
     num_parameters = backend.details().num_parameters
     if num_parameters:
         info["general.parameter_count"] = num_parameters

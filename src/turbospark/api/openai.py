@@ -183,6 +183,7 @@ def _reply(head: dict[str, Any], choices: list[dict[str, Any]], finishes: list[F
 
 
 async def _sse_choices(
+    request: Request,
     plan: Plan,
     ping: float,
     head: dict[str, Any],
@@ -192,12 +193,12 @@ async def _sse_choices(
     """The SSE reply shared by both endpoints: every choice in turn (`render(index, events)`
     yields its chunks), the usage chunk when asked for, then `[DONE]`; an error mid-stream is an
     error chunk."""
-    first = await start_stream(plan, ping)
+    first = await start_stream(request, plan, ping)
 
     async def body() -> AsyncIterator[bytes]:
         finishes: list[Finish] = []
         try:
-            async for index, events in choice_streams(plan, first, ping):
+            async for index, events in choice_streams(request, plan, first, ping):
                 async for chunk in render(index, events, finishes):
                     yield chunk
         except ApiError as exc:
@@ -249,7 +250,7 @@ async def chat_completions(request: Request) -> Response:
             elif isinstance(event, Ping):
                 yield SSE_PING
 
-    return await _sse_choices(plan, state_of(request).ping_interval, head, include_usage, render)
+    return await _sse_choices(request, plan, state_of(request).ping_interval, head, include_usage, render)
 
 
 # ---------------------------------------------------------------- /v1/completions
@@ -332,7 +333,7 @@ async def completions(request: Request) -> Response:
             elif isinstance(event, Ping):
                 yield SSE_PING
 
-    return await _sse_choices(plan, state_of(request).ping_interval, head, include_usage, render)
+    return await _sse_choices(request, plan, state_of(request).ping_interval, head, include_usage, render)
 
 
 def routes() -> list[Route]:

@@ -485,7 +485,7 @@ async def create_response(request: Request) -> Response:
             builder.finish(event) if isinstance(event, Finish) else builder.feed(event)
         return Response(orjson.dumps(builder.response), media_type="application/json")
 
-    events = await start_stream(plan, state_of(request).ping_interval)
+    events = await start_stream(request, plan, state_of(request).ping_interval)
 
     async def body_stream() -> AsyncIterator[bytes]:
         for opening in builder.start():

@@ -1,9 +1,12 @@
 """`RealChatModel`: the `ChatModel` protocol over turbospark's own PyTorch engine.
 
-One `ModelRunner` (one KV cache) per loaded model. `run_completion` takes a lock, so
-concurrent requests run one after another until the batching scheduler lands; the runner
-itself already steps many sequences at once. Images are refused by name: none of the families
+One `Engine` (one model runner, one KV cache, one scheduler with its FIFO line) per loaded
+model. `run_completion` submits to it and waits: concurrent requests are batched into the same
+engine steps and share cached prompt prefixes. Images are refused by name: none of the families
 here has a vision tower.
+
+The context a model serves is its own (`max_position_embeddings`), bounded by the KV-cache budget
+(`kv_cache_gb`; by default a share of free memory) and lowered by `max_context` when given.
 
 Picking the numerics (`load_backend`): `device` is "cpu" or "cuda[:n]"; `quant` is "int8" or
 "int4" (weight-only, CPU kernels), None or "none" for float weights, or "auto" (the default):
@@ -19,7 +22,7 @@ import contextlib
 import ctypes
 import gc
 import inspect
-import threading
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -35,13 +38,19 @@ from turbospark.backend import (
     ProgressCallback,
     RequestImage,
 )
+from turbospark.engine.engine import Engine
 from turbospark.engine.models import Model
 from turbospark.engine.runner import ModelRunner
+from turbospark.engine.scheduler import Scheduler, SchedulerConfig
+from turbospark.ratecontrol import RateControl
 
 if TYPE_CHECKING:
     from turbospark.tokenizer import Tokenizer
 
-DEFAULT_MAX_CONTEXT = 8192
+log = logging.getLogger("turbospark.engine")
+
+DEFAULT_MAX_CONTEXT = 8192  # when a checkpoint does not say
+BLOCK_SIZE = 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -54,15 +63,33 @@ class RealChatModel(BackendDefaults):
         *,
         max_context: int = DEFAULT_MAX_CONTEXT,
         device: torch.device | str = "cpu",
-        prefill_chunk_size: int = 256,
+        num_kv_blocks: int | None = None,
+        scheduler: SchedulerConfig | None = None,
+        rate: RateControl | None = None,
     ) -> None:
+        """`num_kv_blocks` sizes the KV cache (default: one full context per running sequence,
+        at most 4); the context never exceeds what the cache holds."""
         self.model_id = model_id
         self._tokenizer = tokenizer
-        self._max_context = min(max_context, model.config.max_position_embeddings, model.max_positions)
+        scheduler = scheduler or SchedulerConfig()
+        context = min(max_context, model.config.max_position_embeddings, model.max_positions)
+        if num_kv_blocks is None:
+            num_kv_blocks = -(-context // BLOCK_SIZE) * min(scheduler.max_active, 4)
+        self._max_context = min(context, num_kv_blocks * BLOCK_SIZE)
         self._runner = ModelRunner(
-            model, max_context=self._max_context, device=device, prefill_chunk_size=prefill_chunk_size
+            model,
+            max_context=self._max_context,
+            num_blocks=num_kv_blocks,
+            block_size=BLOCK_SIZE,
+            device=device,
         )
-        self._lock = threading.Lock()
+        self.engine = Engine(
+            self._runner,
+            Scheduler(scheduler, self._runner.block_manager),
+            max_context=self._max_context,
+            rate=rate,
+            name=model_id,
+        )
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -124,8 +151,7 @@ class RealChatModel(BackendDefaults):
             )
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
             raise BackendError(f"prompt token ids must lie in [0, {self.vocab_size})")
-        with self._lock:
-            return self._runner.generate(prompt_ids, config, cancel, on_progress)
+        return self.engine.run(prompt_ids, config, cancel, on_progress)
 
 
 def resolve_numerics(device: str, dtype: str | None, quant: str | None) -> tuple[torch.dtype, str | None]:
@@ -155,13 +181,25 @@ def load_backend(
     max_context: int | None = None,
     quant: str | None = "auto",
     progress: bool = True,
+    kv_cache_gb: float | None = None,
+    scheduler: SchedulerConfig | None = None,
+    rate: RateControl | None = None,
 ) -> RealChatModel:
-    """Loads a checkpoint (path, hub-cache id or bundled name) and returns its backend."""
+    """Loads a checkpoint (path, hub-cache id or bundled name) and returns its backend.
+
+    The context is the model's own, bounded by the KV cache (`kv_cache_gb`, default
+    `default_kv_cache_bytes`) and by `max_context` when given.
+    """
     from turbospark.engine.loader import DEFAULT_MODEL, load_checkpoint
     from turbospark.engine.models import build_model
     from turbospark.tokenizer import Tokenizer
 
     torch_dtype, quant = resolve_numerics(device, dtype, quant)
+    if torch.device(device).type == "cpu":
+        from turbospark.engine.cpu_kernels import cpu_kernels, set_intra_op_threads
+
+        threads = set_intra_op_threads()
+        log.info("%s; %d intra-op threads", cpu_kernels().describe(), threads)
     load_kwargs: dict[str, Any] = {"progress": progress}
     if torch_dtype != torch.float32 and "dtype" in inspect.signature(load_checkpoint).parameters:
         # a quantized GGUF dequantizes straight to the compute dtype: half the float32 peak
@@ -169,7 +207,10 @@ def load_backend(
     ckpt = load_checkpoint(spec, **load_kwargs)
     _release_freed_memory()  # the loader's dequantization scratch, before the model's own
     model_max = int(ckpt.config.get("max_position_embeddings", DEFAULT_MAX_CONTEXT))
-    context = min(max_context or DEFAULT_MAX_CONTEXT, model_max)
+    per_token = _kv_bytes_per_token(ckpt.config, torch_dtype)
+    budget = int(kv_cache_gb * 2**30) if kv_cache_gb else default_kv_cache_bytes(device)
+    num_kv_blocks = max(1, budget // (per_token * BLOCK_SIZE))
+    context = min(max_context or model_max, model_max, num_kv_blocks * BLOCK_SIZE)
     if quant == "auto":
         from turbospark.engine.quant import auto_quant
 
@@ -181,7 +222,39 @@ def load_backend(
     name = DEFAULT_MODEL if spec.strip() in ("", DEFAULT_MODEL) else ckpt.name
     del ckpt  # the float checkpoint tensors are no longer needed once the model holds its own
     _release_freed_memory()
-    return RealChatModel(name, model, tokenizer, max_context=context, device=device)
+    return RealChatModel(
+        name,
+        model,
+        tokenizer,
+        max_context=context,
+        device=device,
+        num_kv_blocks=num_kv_blocks,
+        scheduler=scheduler,
+        rate=rate,
+    )
+
+
+def _kv_bytes_per_token(config: dict[str, Any], dtype: torch.dtype) -> int:
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    return 2 * int(config["num_hidden_layers"]) * kv_heads * head_dim * dtype.itemsize
+
+
+def default_kv_cache_bytes(device: str) -> int:
+    """A fifth of the memory free now (at most 8 GiB) on CPU; 85% of free device memory on a GPU.
+
+    On CPU the cache is allocated untouched, so only blocks that hold tokens become resident.
+    """
+    if torch.device(device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free * 0.85)
+    available = 4 * 2**30
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    return min(available // 5, 8 * 2**30)
 
 
 def _release_freed_memory() -> None:

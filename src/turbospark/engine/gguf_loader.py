@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from turbospark.engine.loader import LoadedCheckpoint, ModelLoadError
+from turbospark.engine.checkpoint import LoadedCheckpoint, ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32

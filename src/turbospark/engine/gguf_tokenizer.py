@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer
 
-from turbospark.engine.loader import ModelLoadError, cache_dir
+from turbospark.engine.checkpoint import ModelLoadError, cache_dir
 
 if TYPE_CHECKING:
     from turbospark.engine.gguf_loader import GGUFFile

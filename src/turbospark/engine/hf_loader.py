@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from turbospark.engine.checkpoint import LoadedCheckpoint, ModelLoadError
 from turbospark.engine.gguf_tokenizer import END_OF_GENERATION_TEXTS
-from turbospark.engine.loader import LoadedCheckpoint, ModelLoadError
 
 _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,

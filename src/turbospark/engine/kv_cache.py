@@ -3,62 +3,45 @@
 A slot is one token's keys/values for every kv head of one layer; a block is `block_size`
 consecutive slots. Each sequence owns a block table (its block ids in order), so sequence
 positions map to slots as `table[pos // block_size] * block_size + pos % block_size`.
-`BlockAllocator` owns which blocks are free and asserts its invariants on every change; the
-slab itself is allocated with `torch.empty`, so untouched blocks cost no resident memory.
+`KVCache` is the storage (allocated with `torch.empty`, so untouched blocks cost no resident
+memory) and the attention backend that reads it; `BlockManager` owns which block holds what
+(reference counts, the prefix cache, eviction) and asserts its invariants.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections import OrderedDict
 
 import torch
 
+from turbospark.engine.attention import AttentionBackend, AttentionMetadata, CpuAttention
 
-class BlockAllocator:
-    """Free-list of block ids. Lowest ids go first, so a lone sequence gets contiguous blocks
-    (attention then reads a view of the cache instead of gathering)."""
 
-    def __init__(self, num_blocks: int) -> None:
-        assert num_blocks > 0
-        self.num_blocks = num_blocks
-        self._free: list[int] = list(range(num_blocks))  # a heap
-        self._is_free = [True] * num_blocks
+class LayerCache:
+    """One layer's share of the cache, handed to that layer's attention."""
 
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
+    __slots__ = ("backend", "k", "v")
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        return 0 <= num_blocks <= len(self._free)
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, backend: AttentionBackend) -> None:
+        self.k = k
+        self.v = v
+        self.backend = backend
 
-    def allocate(self, num_blocks: int) -> list[int]:
-        assert self.can_allocate(num_blocks), f"asked for {num_blocks} blocks, {len(self._free)} free"
-        block_ids = [heapq.heappop(self._free) for _ in range(num_blocks)]
-        for b in block_ids:
-            assert self._is_free[b], f"block {b} handed out twice"
-            self._is_free[b] = False
-        return block_ids
-
-    def free(self, block_ids: Iterable[int]) -> None:
-        for b in block_ids:
-            assert 0 <= b < self.num_blocks, f"block {b} out of range"
-            assert not self._is_free[b], f"block {b} freed twice"
-            self._is_free[b] = True
-            heapq.heappush(self._free, b)
-        assert len(self._free) <= self.num_blocks
-
-    def check(self) -> None:
-        """Full consistency check (tests): the heap and the flags describe the same free set."""
-        assert len(set(self._free)) == len(self._free)
-        assert sorted(self._free) == [b for b, f in enumerate(self._is_free) if f]
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Stores the step's k/v and attends; q (num_tokens, num_heads, head_dim) -> (num_tokens,
+        num_heads * head_dim)."""
+        return self.backend.forward(q, k, v, self.k, self.v, meta, scale)
 
 
 class KVCache:
     """Keys and values for every layer: two tensors (num_layers, num_kv_heads, num_slots, head_dim).
 
     Head-major, so one sequence's keys for a head are a (kv_len, head_dim) run of memory: the
-    layout both SDPA and the decode matmuls read without a copy.
+    layout both SDPA and the decode matmuls read without a copy. `attention` is the backend that
+    reads and writes this layout (`CpuAttention` unless given).
     """
 
     def __init__(
@@ -70,7 +53,9 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        attention: AttentionBackend | None = None,
     ) -> None:
+        self.attention: AttentionBackend = attention or CpuAttention()
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -78,28 +63,169 @@ class KVCache:
         # empty, not zeros: pages are only touched (and resident) once tokens are written
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.allocator = BlockAllocator(num_blocks)
 
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[index], self.v[index]
+    def layer(self, index: int) -> LayerCache:
+        return LayerCache(self.k[index], self.v[index], self.attention)
+
+
+class BlockManager:
+    """Which KV blocks hold what: reference counts, the prefix cache, LRU eviction.
+
+    A full block that a sequence has computed is registered under its chain key: a hash of the
+    previous block's key and the block's token ids, so a key names a whole prefix. A new
+    sequence walks its prompt block by block and shares every block already registered (its
+    reference count goes up; nothing is recomputed). A block nobody references keeps its
+    contents and stays findable in an LRU line until its slot is needed: never-used blocks are
+    handed out first, then the least recently released cached block is evicted.
+
+    Invariants (`check`): every block is exactly one of in use (ref > 0), free, or cached-and-
+    evictable; a key maps to a block that carries that key; the counts add up.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        assert num_blocks > 0 and block_size > 0
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self._free: list[int] = list(range(num_blocks))  # a heap: low ids first keep runs contiguous
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, registered, LRU first
+        self._key_of: dict[int, int] = {}  # block id -> chain key
+        self._block_of: dict[int, int] = {}  # chain key -> block id
+        self.num_hit_tokens = 0  # lifetime prefix-cache hits, for metrics
+
+    # ---- counts ----
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (never used, or cached but unreferenced)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._block_of)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
+
+    # ---- plain allocation (no sharing) ----
+    def can_allocate(self, num_blocks: int) -> bool:
+        return 0 <= num_blocks <= self.num_free_blocks
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        assert self.can_allocate(num_blocks), f"asked for {num_blocks} blocks, {self.num_free_blocks} free"
+        return [self._take() for _ in range(num_blocks)]
 
     def grow(self, block_table: list[int], num_tokens: int) -> bool:
         """Extends `block_table` in place to hold `num_tokens`; False (nothing taken) if full."""
         needed = self.num_blocks_for(num_tokens) - len(block_table)
         if needed <= 0:
             return True
-        if not self.allocator.can_allocate(needed):
+        if not self.can_allocate(needed):
             return False
-        block_table.extend(self.allocator.allocate(needed))
+        block_table.extend(self.allocate(needed))
         return True
 
     def release(self, block_table: list[int]) -> None:
-        self.allocator.free(block_table)
+        """Drops one reference to each block; tail blocks first, so an LRU eviction takes a
+        prefix's end before its start."""
+        for b in reversed(block_table):
+            assert self.ref_counts[b] > 0, f"block {b} released twice"
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                if b in self._key_of:
+                    self._evictable[b] = None
+                else:
+                    heapq.heappush(self._free, b)
         block_table.clear()
+
+    def _take(self) -> int:
+        if self._free:
+            b = heapq.heappop(self._free)
+        else:
+            b, _ = self._evictable.popitem(last=False)
+            del self._block_of[self._key_of.pop(b)]
+        assert self.ref_counts[b] == 0, f"block {b} handed out twice"
+        self.ref_counts[b] = 1
+        return b
+
+    # ---- prefix cache ----
+    @staticmethod
+    def chain_key(parent: int | None, block_ids: tuple[int, ...]) -> int:
+        return hash((parent, block_ids))
+
+    def match_prefix(self, token_ids: list[int]) -> tuple[list[int], int | None]:
+        """Registered blocks covering the longest cached prefix of `token_ids` (full blocks,
+        leaving at least one token to compute), and the chain key of the last one."""
+        if not self.enable_prefix_caching:
+            return [], None
+        hits: list[int] = []
+        key: int | None = None
+        bs = self.block_size
+        # the last token is always computed: its logits start the generation
+        for start in range(0, len(token_ids) - 1 - bs + 1, bs):
+            next_key = self.chain_key(key, tuple(token_ids[start : start + bs]))
+            b = self._block_of.get(next_key)
+            if b is None:
+                break
+            hits.append(b)
+            key = next_key
+        return hits, key
+
+    def share(self, block_ids: list[int]) -> None:
+        """Takes a reference to cached blocks found by `match_prefix`."""
+        for b in block_ids:
+            if self.ref_counts[b] == 0:
+                del self._evictable[b]
+            self.ref_counts[b] += 1
+
+    def register_full_blocks(
+        self,
+        token_ids: list[int],
+        block_table: list[int],
+        num_computed: int,
+        num_hashed: int,
+        key: int | None,
+    ) -> tuple[int, int | None]:
+        """Registers the blocks of a sequence that became full and computed; returns the new
+        (num_hashed, last key). A block whose content is already cached elsewhere stays
+        private (the first copy keeps the key)."""
+        if not self.enable_prefix_caching:
+            return num_hashed, key
+        bs = self.block_size
+        while (num_hashed + 1) * bs <= num_computed:
+            start = num_hashed * bs
+            key = self.chain_key(key, tuple(token_ids[start : start + bs]))
+            b = block_table[num_hashed]
+            if key not in self._block_of and b not in self._key_of:
+                self._block_of[key] = b
+                self._key_of[b] = key
+            num_hashed += 1
+        return num_hashed, key
+
+    def check(self) -> None:
+        """Full consistency check (tests)."""
+        free = set(self._free)
+        evictable = set(self._evictable)
+        assert len(free) == len(self._free), "a block is free twice"
+        assert not free & evictable, "a block is both free and cached"
+        for b in range(self.num_blocks):
+            in_use = self.ref_counts[b] > 0
+            assert self.ref_counts[b] >= 0
+            assert in_use + (b in free) + (b in evictable) == 1, (
+                f"block {b} is in {in_use, b in free, b in evictable}"
+            )
+            if b in evictable:
+                assert b in self._key_of
+            if b in free:
+                assert b not in self._key_of
+        for key, b in self._block_of.items():
+            assert self._key_of.get(b) == key, f"key of block {b} disagrees"
+        assert len(self._block_of) == len(self._key_of)

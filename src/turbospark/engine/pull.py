@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from turbospark.engine.loader import ModelLoadError, ModelNotFound, cache_dir
+from turbospark.engine.checkpoint import ModelLoadError, ModelNotFound, cache_dir
 
 _READ_CHUNK = 8 << 20
 

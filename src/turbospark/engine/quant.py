@@ -18,11 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from turbospark.engine.cpu_kernels import cpu_kernels
 from turbospark.engine.layers import Linear
 
 QUANT_MODES = ("int8", "int4")
-# At this many tokens per matmul (a prefill chunk) the weight is expanded to the activation
-# dtype and run through the dense (AMX / BLAS) matmul: the int kernels are built for few rows.
+# At this many tokens per matmul (a prefill chunk) the weight is expanded and run through the
+# dense (AMX / BLAS) matmul: the int kernels are built for few rows. The dense dtype is the
+# CPU's fast one (`turbospark.engine.cpu_kernels`): bf16 with AMX / AVX-512 BF16, float32 on
+# AVX2, where a bf16 matmul is emulated and 6-7x slower than float32.
 MIN_ROWS_TO_DEQUANTIZE = 32
 QUANT_CHUNK_ROWS = 4096
 
@@ -67,10 +70,18 @@ def quantize_int4(
     return codes, scales_and_zeros.transpose(0, 1).contiguous().to(dtype)
 
 
+def _dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T + bias in w's dtype, returned in x's."""
+    y = F.linear(x.to(w.dtype), w, None if bias is None else bias.to(w.dtype))
+    return y.to(x.dtype)
+
+
 class Int8Linear(nn.Module):
-    def __init__(self, linear: Linear, dtype: torch.dtype) -> None:
+    def __init__(self, linear: Linear, dtype: torch.dtype, dense_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        # the dtype a many-row matmul expands the weight to (see MIN_ROWS_TO_DEQUANTIZE)
+        self.dense_dtype = dense_dtype or cpu_kernels().dense_dtype
         q, scales = quantize_int8(linear.weight.data)
         self.weight: torch.Tensor
         self.scales: torch.Tensor
@@ -82,8 +93,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, in_features)
         if x.shape[0] >= MIN_ROWS_TO_DEQUANTIZE:
-            w = self.weight.to(x.dtype) * self.scales[:, None]  # (out, in)
-            return F.linear(x, w, self.bias)
+            dt = self.dense_dtype
+            w = self.weight * self.scales.to(dt)[:, None]  # (out, in) in dt: one pass, int8 promotes
+            return _dense(x, w, self.bias)
         y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
         return y if self.bias is None else y + self.bias
 
@@ -95,10 +107,13 @@ class Int4Linear(nn.Module):
     byte per weight more, for a prefill about twice as fast as the kernel's at 256 tokens.
     """
 
-    def __init__(self, linear: Linear, dtype: torch.dtype, group_size: int) -> None:
+    def __init__(
+        self, linear: Linear, dtype: torch.dtype, group_size: int, dense_dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.group_size = group_size
+        self.dense_dtype = dense_dtype or cpu_kernels().dense_dtype
         codes, scales_and_zeros = quantize_int4(linear.weight.data, group_size, dtype)
         self.weight: torch.Tensor
         self.scales_and_zeros: torch.Tensor
@@ -126,7 +141,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, in_features)
         if x.shape[0] >= MIN_ROWS_TO_DEQUANTIZE:
-            return F.linear(x, self.dequantize(x.dtype), self.bias)
+            return _dense(x, self.dequantize(self.dense_dtype), self.bias)
         y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.weight, self.group_size, self.scales_and_zeros
         )

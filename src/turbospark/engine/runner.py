@@ -1,30 +1,42 @@
-"""Drives a model over the paged KV cache: batched forward steps, chunked prefill, generation.
+"""Drives a model over the paged KV cache: one batched forward per engine step.
 
-`ModelRunner.forward` is the one step function: any number of sequences, each feeding any
-number of new tokens (prefill chunks and single decode tokens mixed), returns the logits of
-each sequence's last new token. The scheduler for continuous batching calls it directly.
-`ModelRunner.generate` serves one request at a time through `turbospark.decode.run_decode_loop`,
-so its semantics (cancel polling, stop ids, length bound, progress callbacks) are exactly those
-of the sequential loop: the cancel flag is polled once per prefill chunk and once per token.
+`ModelRunner.execute` is what the engine calls: every scheduled sequence feeds its next tokens
+(prefill chunks and single decode tokens mixed in one packed batch) and the logits of each
+sequence that samples come back. The runner owns the KV storage (`KVCache`) and the block
+bookkeeping (`BlockManager`); the scheduler decides, through the block manager, which blocks a
+sequence holds.
+
+`forward` / `generate` are the one-sequence-at-a-time reference path (through
+`turbospark.decode.run_decode_loop`) that the tests hold the batched engine to.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from turbospark.backend import CancelFlag, CompletionResult, GenerationConfig, ProgressCallback
 from turbospark.decode import run_decode_loop
-from turbospark.engine.kv_cache import KVCache
-from turbospark.engine.layers import build_attention_metadata
+from turbospark.engine.attention import AttentionBackend, build_attention_metadata
+from turbospark.engine.kv_cache import BlockManager, KVCache
 from turbospark.engine.models import Model
+
+if TYPE_CHECKING:
+    from turbospark.engine.cuda_graphs import CudaGraphRunner
+    from turbospark.engine.scheduler import ScheduledBatch
+
+
+def kv_bytes_per_token(model: Model, dtype: torch.dtype) -> int:
+    cfg = model.config
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
 
 
 @dataclass(slots=True)
 class SequenceState:
-    """One sequence's cache ownership: its blocks and how many of its tokens are cached."""
+    """One sequence's cache ownership on the reference path: its blocks, how many tokens are in."""
 
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0
@@ -36,12 +48,19 @@ class ModelRunner:
         model: Model,
         *,
         max_context: int,
+        num_blocks: int | None = None,
         max_num_seqs: int = 1,
         block_size: int = 16,
         prefill_chunk_size: int = 256,
         device: torch.device | str = "cpu",
         kv_dtype: torch.dtype | None = None,
+        attention: AttentionBackend | None = None,
+        enable_prefix_caching: bool = True,
+        cuda_graphs: bool = True,
     ) -> None:
+        """`num_blocks` sizes the KV cache (default: `max_num_seqs` full contexts). On CUDA the
+        cache uses the Triton paged kernels (`CudaAttention`) and decode steps replay CUDA
+        graphs (captured on the first step) unless `cuda_graphs` is off."""
         cfg = model.config
         assert max_context <= model.max_positions, "the model's rotary table is shorter than max_context"
         self.model = model
@@ -50,23 +69,66 @@ class ModelRunner:
         self.device = torch.device(device)
         if kv_dtype is None:
             kv_dtype = model.dtype
-        blocks_per_seq = (max_context + block_size - 1) // block_size
+        if num_blocks is None:
+            num_blocks = (max_context + block_size - 1) // block_size * max_num_seqs
+        is_cuda = self.device.type == "cuda"
+        if attention is None and is_cuda:
+            from turbospark.engine.cuda_attention import CudaAttention
+
+            attention = CudaAttention()
         self.kv_cache = KVCache(
             cfg.num_hidden_layers,
-            blocks_per_seq * max_num_seqs,
+            num_blocks,
             block_size,
             cfg.num_key_value_heads,
             cfg.head_dim,
             kv_dtype,
             self.device,
+            attention=attention,
         )
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.graphs: CudaGraphRunner | None = None
+        if is_cuda and cuda_graphs:
+            from turbospark.engine.cuda_graphs import CudaGraphRunner
+
+            max_blocks = (max_context + block_size - 1) // block_size
+            self.graphs = CudaGraphRunner(model, self.kv_cache, max_blocks_per_seq=max_blocks)
+        self._captured = False
 
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """One forward over the step; logits (num_sampling, vocab) float32, batch order."""
+        flat_ids: list[int] = []
+        for seq, n in zip(batch.seqs, batch.num_new, strict=True):
+            flat_ids.extend(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n])
+        meta, positions = build_attention_metadata(
+            [seq.block_table for seq in batch.seqs],
+            [seq.num_computed_tokens for seq in batch.seqs],
+            batch.num_new,
+            self.kv_cache.block_size,
+            self.device,
+        )
+        rows = [i for i, wants in enumerate(batch.samples) if wants]
+        if len(rows) != len(batch.seqs):
+            # only sampling sequences need the lm_head: a mid-prefill chunk's logits are unused
+            meta.last_token_indices = meta.last_token_indices[rows or [0]]
+        input_ids = torch.tensor(flat_ids, dtype=torch.long, device=self.device)
+        if self.graphs is not None:
+            if not self._captured:
+                self.graphs.capture()  # seconds, once: on the engine thread, off the event loop
+                self._captured = True
+            logits = self.graphs(input_ids, positions, meta)  # replays decode steps, else eager
+        else:
+            logits = self.model(input_ids, positions, meta, self.kv_cache)
+        return logits[: len(rows)]
+
+    # ---- the one-sequence reference path ----
     def release(self, seq: SequenceState) -> None:
-        self.kv_cache.release(seq.block_table)
+        self.block_manager.release(seq.block_table)
         seq.num_cached = 0
 
     @torch.inference_mode()
@@ -78,7 +140,7 @@ class ModelRunner:
         for seq, new_ids in batch:
             assert new_ids, "every sequence in a step feeds at least one token"
             total = seq.num_cached + len(new_ids)
-            if total > self.max_context or not self.kv_cache.grow(seq.block_table, total):
+            if total > self.max_context or not self.block_manager.grow(seq.block_table, total):
                 raise RuntimeError(f"KV cache full: cannot hold {total} tokens for a sequence")
         flat_ids = [t for _, new_ids in batch for t in new_ids]
         meta, positions = build_attention_metadata(
@@ -113,7 +175,7 @@ class ModelRunner:
         cancel: CancelFlag,
         on_progress: ProgressCallback,
     ) -> CompletionResult:
-        """One request, start to finish, through the sequential decode loop."""
+        """One request, start to finish, through the sequential decode loop (the reference)."""
         seq = SequenceState()
         try:
             return run_decode_loop(

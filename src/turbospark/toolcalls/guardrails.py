@@ -91,14 +91,14 @@ class _Reader:
 
     def value(self) -> Any:
         ch = self.peek()
+        if not ch:  # first: "" is `in` every string, so the quote test below would take it
+            raise JsonRepairError("unexpected end of input")
         if ch == "{":
             return self.obj()
         if ch == "[":
             return self.array()
         if ch in "\"'":
             return self.string()
-        if not ch:
-            raise JsonRepairError("unexpected end of input")
         found = _NUMBER.match(self.text, self.pos)
         if found is not None and (ch.isdigit() or ch in "-."):
             self.pos = found.end()

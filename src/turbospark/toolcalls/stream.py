@@ -368,18 +368,18 @@ class StreamToolParser:
         self.ws = ""
         if call.repairs:
             self.stats.num_repaired += 1
-            TOOL_CALLS.inc(outcome="repaired")
+            TOOL_CALLS.labels(outcome="repaired").inc()
             for kind in call.repairs:
-                TOOL_CALL_REPAIRS.inc(kind=kind)
+                TOOL_CALL_REPAIRS.labels(kind=kind).inc()
         else:
             self.stats.num_ok += 1
-            TOOL_CALLS.inc(outcome="ok")
+            TOOL_CALLS.labels(outcome="ok").inc()
 
     def _reject(self, out: list[ToolEvent], source: str, reason: str, detail: str) -> None:
         self.stats.num_as_text += 1
         self.stats.rejections.append(f"{reason}: {detail}")
-        TOOL_CALLS.inc(outcome="returned_as_text")
-        TOOL_CALL_REJECTS.inc(reason=reason)
+        TOOL_CALLS.labels(outcome="returned_as_text").inc()
+        TOOL_CALL_REJECTS.labels(reason=reason).inc()
         self.after_call = False
         text = self.ws + self._take_region_ws() + source
         self.ws = ""

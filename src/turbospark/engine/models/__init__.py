@@ -2,8 +2,12 @@
 
 Adding a family is adding one file `<model_type>.py` here that defines `ModelConfig` (with
 `from_dict`) and `CausalLM(config, max_positions)` with `checkpoint_names()`, `finalize(prepare)` and
-`forward(input_ids, positions, meta, kv_cache) -> logits (num_seqs, vocab)`. The registry is the
-set of modules in this package, so nothing else needs editing.
+`forward(input_ids, positions, meta, kv_cache) -> logits (num_seqs, vocab)`; `base` holds all of
+that for the usual decoder, so a family file is its layer code. The registry is the set of
+modules in this package (less `base`), so nothing else needs editing.
+
+An encoder family (`bert`, for embeddings) defines `EncoderModel(config)` instead of `CausalLM`;
+`build_encoder` builds it and `build_model` refuses it by name.
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ from typing import Any, Protocol
 
 import torch
 
+from turbospark.engine.attention import AttentionMetadata
 from turbospark.engine.kv_cache import KVCache
-from turbospark.engine.layers import AttentionMetadata, PrepareLinear, load_weights
+from turbospark.engine.layers import PrepareLinear, load_weights
+
+_NOT_FAMILIES = {"base"}  # shared code, not a model_type
 
 
 class ArchConfig(Protocol):
@@ -48,7 +55,11 @@ class Model(Protocol):
 
 
 def supported_model_types() -> list[str]:
-    return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+    return sorted(
+        m.name
+        for m in pkgutil.iter_modules(__path__)
+        if not m.name.startswith("_") and m.name not in _NOT_FAMILIES
+    )
 
 
 def _family(model_type: str) -> Any:
@@ -57,6 +68,11 @@ def _family(model_type: str) -> Any:
             f"model_type {model_type!r} is not supported (supported: {', '.join(supported_model_types())})"
         )
     return importlib.import_module(f"{__name__}.{model_type}")
+
+
+def is_encoder(model_type: str) -> bool:
+    """True for an encoder-only family (embeddings, no causal LM), such as "bert"."""
+    return model_type in supported_model_types() and hasattr(_family(model_type), "EncoderModel")
 
 
 def build_model(
@@ -75,12 +91,22 @@ def build_model(
     `max_positions` bounds the rotary table (default: the config's max_position_embeddings).
     """
     family = _family(str(config.get("model_type")))
+    if not hasattr(family, "CausalLM"):
+        raise ValueError(
+            f"model_type {config.get('model_type')!r} is an encoder: it makes embeddings and cannot generate"
+        )
     cfg = family.ModelConfig.from_dict(dict(config))
     device = torch.device(device)
-    model = family.CausalLM(cfg, max_positions or cfg.max_position_embeddings)
+    positions = max_positions or cfg.max_position_embeddings
+    # The skeleton holds no memory (meta tensors): each weight is materialized once, straight on
+    # `device` in its final dtype, by `load_weights`; no float32 copy of the model exists first.
+    with torch.device("meta"):
+        model = family.CausalLM(cfg, positions)
     # quantized linears are read from the checkpoint's own floats: no full-size cast copy first
     load_weights(model, model.checkpoint_names(), tensors, device, dtype, dtype if quant is None else None)
-    model.rotary.to(device=device, dtype=dtype)
+    # the rotary tables are computed, not loaded: built for real (float32 on CPU, as on every
+    # device, so CPU and CUDA rotate identically), then moved
+    model.rotary = type(model.rotary)(cfg, positions).to(device=device, dtype=dtype)
     model.dtype = dtype
     prepare: PrepareLinear = lambda linear, role: linear  # noqa: E731
     if quant is not None:
@@ -89,4 +115,34 @@ def build_model(
         prepare = functools.partial(quantize_linear, mode=quant, dtype=dtype)
     model.finalize(prepare)
     model.eval()
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not left, f"never loaded: {left}"
     return model  # type: ignore[no-any-return]
+
+
+def build_encoder(
+    config: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Any:
+    """Builds an encoder family's `EncoderModel` from an HF-style config and HF-named weights.
+
+    Weights saved from a task model (`BertForMaskedLM`, ...) carry a `<model_type>.` prefix on
+    the encoder's names; it is dropped so those checkpoints load too.
+    """
+    model_type = str(config.get("model_type"))
+    family = _family(model_type)
+    if not hasattr(family, "EncoderModel"):
+        raise ValueError(f"model_type {model_type!r} is a decoder, not an encoder")
+    model = family.EncoderModel(family.ModelConfig.from_dict(dict(config)))
+    names = model.checkpoint_names()
+    prefix = f"{model_type}."
+    if names and names[0] not in tensors and prefix + names[0] in tensors:
+        tensors = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+    device = torch.device(device)
+    load_weights(model, names, tensors, device, dtype, dtype)
+    model.dtype = dtype
+    model.finalize(lambda linear, role: linear)
+    model.eval()
+    return model

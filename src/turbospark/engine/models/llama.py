@@ -1,196 +1,37 @@
 """Llama (model_type "llama"): Llama 2/3/3.1+ (llama3 rope scaling), SmolLM/SmolLM2.
 
-Attribute names equal the Hugging Face weight names, so a checkpoint loads without a mapping
-table. After loading, `finalize` fuses q/k/v and gate/up into single matmuls and ties the
-lm_head to the embeddings when the config says so; forward only uses the fused modules.
+The shared decoder (fused q/k/v and gate/up, tied lm_head when the config says so) is in
+`base`; Llama adds the optional biases of its config.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-from turbospark.engine.kv_cache import KVCache
-from turbospark.engine.layers import (
-    AttentionMetadata,
-    Embedding,
-    Linear,
-    PrepareLinear,
-    RMSNorm,
-    RotaryEmbedding,
-    apply_rotary,
-    fuse_linears,
-    paged_attention,
-)
+from turbospark.engine.models import base
 
 
 @dataclass(slots=True)
-class ModelConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int = 0  # 0: same as num_attention_heads
-    head_dim: int = 0  # 0: hidden_size // num_attention_heads
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int = 4096
+class ModelConfig(base.BaseConfig):
     attention_bias: bool = False
     mlp_bias: bool = False
-    tie_word_embeddings: bool = False
-    hidden_act: str = "silu"
-
-    @classmethod
-    def from_dict(cls, config: dict[str, Any]) -> ModelConfig:
-        known = {f.name for f in fields(cls)}
-        cfg = cls(**{k: v for k, v in config.items() if k in known})
-        # transformers >= 5 writes rope settings as one `rope_parameters` dict
-        rope = config.get("rope_parameters")
-        if isinstance(rope, dict):
-            cfg.rope_theta = float(rope.get("rope_theta", cfg.rope_theta))
-            if rope.get("rope_type", "default") != "default":
-                cfg.rope_scaling = dict(rope)
-        if not cfg.num_key_value_heads:
-            cfg.num_key_value_heads = cfg.num_attention_heads
-        if not cfg.head_dim:
-            cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
-        if cfg.hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}")
-        return cfg
 
 
-class Attention(nn.Module):
+class Attention(base.Attention):
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
-        hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj: nn.Module = Linear(self.num_heads * self.head_dim, hidden, bias=bias)
-        self.qkv_proj: nn.Module
-
-    def finalize(self, prepare: PrepareLinear) -> None:
-        self.qkv_proj = prepare(fuse_linears([self.q_proj, self.k_proj, self.v_proj]), "qkv_proj")
-        self.o_proj = prepare(self.o_proj, "o_proj")
-        del self.q_proj, self.k_proj, self.v_proj
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        # x: (num_tokens, hidden)
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        # q and k rotate together: one set of elementwise ops instead of two
-        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], *rope)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.num_heads + self.num_kv_heads :]
-        out = paged_attention(
-            q, k, v, k_cache, v_cache, meta, self.scale
-        )  # (num_tokens, num_heads * head_dim)
-        return self.o_proj(out)  # type: ignore[no-any-return]
+        super().__init__(config, qkv_bias=config.attention_bias, o_bias=config.attention_bias)
 
 
-class MLP(nn.Module):
+class MLP(base.MLP):
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.intermediate_size = inter
-        self.gate_proj = Linear(hidden, inter, bias=bias)
-        self.up_proj = Linear(hidden, inter, bias=bias)
-        self.down_proj: nn.Module = Linear(inter, hidden, bias=bias)
-        self.gate_up_proj: nn.Module
-
-    def finalize(self, prepare: PrepareLinear) -> None:
-        self.gate_up_proj = prepare(fuse_linears([self.gate_proj, self.up_proj]), "gate_up_proj")
-        self.down_proj = prepare(self.down_proj, "down_proj")
-        del self.gate_proj, self.up_proj
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (num_tokens, inter) x2
-        return self.down_proj(F.silu(gate) * up)  # type: ignore[no-any-return]
+        super().__init__(config, bias=config.mlp_bias)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(base.DecoderLayer):
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        h: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, k_cache, v_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))  # type: ignore[no-any-return]
+        super().__init__(config, Attention(config), MLP(config))
 
 
-class Model(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-class CausalLM(nn.Module):
+class CausalLM(base.CausalLM):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
-        super().__init__()
-        self.config = config
-        self.max_positions = max_positions  # the rotary table's length: no position past it
-        self.model = Model(config)
-        self.lm_head: nn.Module = Linear(config.hidden_size, config.vocab_size)
-        self.rotary = RotaryEmbedding(config, max_positions)
-
-    def checkpoint_names(self) -> list[str]:
-        """Weight names this model loads from a checkpoint."""
-        names = [n for n, _ in self.named_parameters()]
-        return [n for n in names if not (self.config.tie_word_embeddings and n == "lm_head.weight")]
-
-    def finalize(self, prepare: PrepareLinear) -> None:
-        """Ties the lm_head, fuses projections, and hands every linear to `prepare` (a cast or
-        a quantizer), layer by layer so only one layer's float copies exist at a time."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.lm_head = prepare(self.lm_head, "lm_head")
-        for layer in self.model.layers:
-            assert isinstance(layer, DecoderLayer)
-            layer.self_attn.finalize(prepare)
-            layer.mlp.finalize(prepare)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_cache: KVCache,
-    ) -> torch.Tensor:
-        """input_ids, positions: (num_tokens,) packed; returns logits (num_seqs, vocab) of each
-        sequence's last token."""
-        h = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
-        rope = self.rotary(positions)
-        for i, layer in enumerate(self.model.layers):
-            k_cache, v_cache = kv_cache.layer(i)
-            h = layer(h, rope, k_cache, v_cache, meta)
-        h = h[meta.last_token_indices]  # (num_seqs, hidden)
-        return self.lm_head(self.model.norm(h)).float()  # type: ignore[no-any-return]
+        super().__init__(config, max_positions, DecoderLayer)

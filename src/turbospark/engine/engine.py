@@ -1,0 +1,260 @@
+"""The engine: one thread per loaded model that steps every admitted sequence together.
+
+`step()` is schedule -> run the model once for every scheduled sequence -> sample -> hand each
+sequence its new token. Requests enter through `submit` (from any thread) and leave through
+their sequence's outbox; `run` is the blocking `run_completion` body both backends share: it
+submits, then hands each token to the caller's `on_progress` on the caller's own thread, so
+detokenizing, stop strings, reasoning and tool parsing never slow the batch.
+
+The decode-rate cap paces steps: a step that produced k tokens waits until the process-wide
+`RateControl` allows k more.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Sequence as Seq
+from typing import Any, Protocol
+
+import torch
+
+from turbospark import metrics
+from turbospark.backend import (
+    CancelFlag,
+    CompletionResult,
+    FinishReason,
+    GenerationConfig,
+    ProgressCallback,
+    TokenEvent,
+)
+from turbospark.engine.scheduler import ScheduledBatch, Scheduler
+from turbospark.engine.sequence import Sequence, SequenceFailed, SequenceStatus
+from turbospark.ratecontrol import RateControl
+from turbospark.sampling import make_generator, sample_batch
+
+log = logging.getLogger("turbospark.engine")
+
+_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_engines() -> None:
+    """Engine threads end before the interpreter does: one torn down inside a torch op aborts
+    the process ("terminate called without an active exception")."""
+    for engine in list(_engines):
+        engine.stop(wait=5.0)
+
+
+class StepRunner(Protocol):
+    """Runs the model once over a scheduled batch. Returns logits (num_sampling, vocab) float32,
+    one row per sequence with `batch.samples[i]` set, in batch order."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor: ...
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: StepRunner,
+        scheduler: Scheduler,
+        *,
+        max_context: int,
+        rate: RateControl | None = None,
+        name: str = "model",
+    ) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.max_context = max_context
+        self.rate = rate
+        self.name = name
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.num_steps = 0
+        self.step_seconds = 0.0  # inside the model forward
+        self.overhead_seconds = 0.0  # schedule + sample + bookkeeping
+
+    # ---- entry points (any thread) ----
+    def submit(
+        self,
+        prompt_ids: Seq[int],
+        config: GenerationConfig,
+        cancel: CancelFlag,
+        runner_state: Any = None,
+    ) -> Sequence:
+        """Queues a request; raises `EngineOverloaded` at once when the line is full."""
+        seq = Sequence(
+            seq_id=next(self._ids),
+            token_ids=list(prompt_ids),
+            num_prompt_tokens=len(prompt_ids),
+            config=config,
+            max_new_tokens=min(config.max_new_tokens, self.max_context - len(prompt_ids)),
+            cancel=cancel,
+            generator=make_generator(config.seed),
+            runner_state=runner_state,
+        )
+        with self._lock:
+            if seq.max_new_tokens <= 0:
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = FinishReason.LENGTH
+                seq.outbox.put(seq.result())
+                return seq
+            self.scheduler.add(seq)
+            self._work.notify()
+            self._export_gauges()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=f"engine-{self.name}", daemon=True)
+                self._thread.start()
+                _engines.add(self)
+                metrics.watch_engine(self)
+        return seq
+
+    def run(
+        self,
+        prompt_ids: Seq[int],
+        config: GenerationConfig,
+        cancel: CancelFlag,
+        on_progress: ProgressCallback,
+        runner_state: Any = None,
+    ) -> CompletionResult:
+        """Submits and waits; `on_progress` sees every token, on this thread, as it is made.
+
+        Once `cancel` is set (by the caller, or by `on_progress` on a stop string) no further
+        token is handed over, and the result holds exactly the tokens that were.
+        """
+        seq = self.submit(prompt_ids, config, cancel, runner_state)
+        delivered: list[int] = []
+        while True:
+            try:
+                item = seq.outbox.get(timeout=0.5)
+            except queue.Empty:
+                if self._thread is not None and not self._thread.is_alive():
+                    raise RuntimeError("the engine thread stopped") from None
+                continue
+            if isinstance(item, TokenEvent):
+                if not cancel.is_set():
+                    delivered.append(item.token_id)
+                    on_progress(item)
+                continue
+            if isinstance(item, SequenceFailed):
+                raise item.error
+            assert isinstance(item, CompletionResult)
+            if cancel.is_set():
+                item.token_ids = delivered
+                item.finish_reason = FinishReason.CANCELLED
+            metrics.observe_request(
+                self.name,
+                time.monotonic() - seq.arrival_time,
+                prompt_tokens=item.num_prompt_tokens,
+                finish_reason=item.finish_reason.value,
+            )
+            return item
+
+    def stop(self, wait: float | None = None) -> None:
+        """Ends the engine thread after its current step; sequences still in it are cancelled."""
+        with self._lock:
+            self._stopping = True
+            self._work.notify()
+        if wait is not None and self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(wait)
+
+    # ---- the engine thread ----
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self.scheduler.has_work() and not self._stopping:
+                    self._work.wait()
+                if self._stopping:
+                    for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                        self.scheduler.finish(seq, FinishReason.CANCELLED)
+                    return
+            try:
+                self.step()
+            except Exception:  # a bug in the step itself: fail what is running, keep serving
+                log.exception("engine step failed")
+                with self._lock:
+                    for seq in [*self.scheduler.running]:
+                        self.scheduler.fail(seq, RuntimeError("the engine step failed"))
+
+    def step(self) -> int:
+        """One engine step; returns the number of tokens handed out."""
+        started = time.perf_counter()
+        with self._lock:
+            batch = self.scheduler.schedule()
+            self._export_gauges()
+        if not batch.seqs:
+            time.sleep(0.001)  # everything left was cancelled, or waits for blocks
+            return 0
+        scheduled_at = time.monotonic()
+        for seq in batch.seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = scheduled_at
+        forward_started = time.perf_counter()
+        try:
+            logits = self.runner.execute(batch)
+        except Exception as exc:  # the whole step failed: its sequences fail, others go on
+            log.exception("model step failed")
+            with self._lock:
+                for seq in batch.seqs:
+                    if seq.status is SequenceStatus.RUNNING:
+                        self.scheduler.fail(seq, exc)
+            return 0
+        forward_done = time.perf_counter()
+        sampling = [s for s, wants in zip(batch.seqs, batch.samples, strict=True) if wants]
+        events = sample_batch(logits, sampling)
+        now = time.monotonic()
+        emitted = 0
+        with self._lock:
+            self.scheduler.update(batch)
+            for seq, event in zip(sampling, events, strict=True):
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue
+                if isinstance(event, BaseException):
+                    self.scheduler.fail(seq, event)
+                    continue
+                if event.token_id in seq.config.stop_token_ids:
+                    seq.last_token_time = now
+                    self.scheduler.finish(seq, FinishReason.STOP)
+                    continue
+                seq.token_ids.append(event.token_id)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                    metrics.observe_first_token(self.name, now - seq.arrival_time)
+                else:
+                    metrics.observe_inter_token(self.name, now - (seq.last_token_time or now))
+                seq.last_token_time = now
+                seq.emit(event)
+                emitted += 1
+                if seq.num_generated >= seq.max_new_tokens:
+                    self.scheduler.finish(seq, FinishReason.LENGTH)
+            self._export_gauges()
+        metrics.count_step(self.name, batch.num_tokens, emitted)
+        self.num_steps += 1
+        self.step_seconds += forward_done - forward_started
+        self.overhead_seconds += (time.perf_counter() - started) - (forward_done - forward_started)
+        if self.rate is not None and emitted:
+            self.rate.pace(emitted)
+        return emitted
+
+    def _export_gauges(self) -> None:
+        s = self.scheduler
+        metrics.set_engine_state(
+            self.name,
+            running=s.num_running,
+            waiting=s.num_waiting,
+            blocks_used=s.blocks.num_used_blocks,
+            blocks_total=s.blocks.num_blocks,
+            prefix_hit_tokens=s.num_prefix_hit_tokens,
+            preemptions=s.num_preemptions,
+        )

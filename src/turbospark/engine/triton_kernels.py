@@ -1,0 +1,310 @@
+"""Triton kernels for the CUDA attention backend (`turbospark.engine.cuda_attention`).
+
+Written here rather than taken from a library: no flash-attn wheel is published for the
+PyTorch/CUDA builds the engine targets (its PyPI release is a source build of an hour), and
+FlashInfer compiles its paged kernels with nvcc at first use on each machine. These kernels read
+the engine's own cache layout, (num_kv_heads, num_slots, head_dim) per layer, through strides,
+so the CPU and CUDA paths share one `KVCache`.
+
+Import only where Triton is installed (CUDA builds of PyTorch ship it); the kernel arguments
+follow Triton's conventions (pointers and strides), so the module is left untyped.
+
+`paged_attention_kernel` is one kernel for a whole step (prefill chunks and decodes mixed):
+
+- Program (i, h, s) takes block i of the step's query blocks, kv head h, and split s of that
+  block's context. Query blocks are BLOCK_Q consecutive tokens of one sequence; the grid's first
+  axis is an upper bound from shapes alone (num_tokens // BLOCK_Q + num_seqs), and each program
+  finds its sequence by binary search over `query_start_loc`, so no host-side list is needed
+  and a decode step can be captured in a CUDA graph.
+- All `GROUP` query heads that share kv head h are rows of one (BLOCK_M, head_dim) tile, so each
+  key/value tile is read once per kv head (GQA).
+- Keys are read page by page through the block table; the causal mask is bottom-right aligned
+  (query j of a sequence with L tokens after the step and q new ones sits at L - q + j).
+- With NUM_SPLITS > 1 (decodes at small batch, "flash-decoding") each split writes its
+  unnormalized output, row max and row sum; `combine_splits_kernel` merges them.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ch,
+    stride_cs,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Program (t, h): token t's key and value of kv head h go to slot `slot_mapping[t]`
+    (skipped when negative: padding rows of a captured batch)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=dmask)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=dmask)
+    dst = h * stride_ch + slot * stride_cs + d
+    tl.store(k_cache_ptr + dst, k, mask=dmask)
+    tl.store(v_cache_ptr + dst, v, mask=dmask)
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    scale_log2,
+    num_seqs,
+    num_tokens,
+    num_heads,
+    stride_qt,
+    stride_qh,
+    stride_ch,
+    stride_cs,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    LOG2_SEQS: tl.constexpr,
+    IS_DECODE: tl.constexpr,
+):
+    qb = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    if IS_DECODE:  # one new token per sequence: program qb is sequence qb, no search
+        seq = qb
+        q_start = qb
+        q_len = 1
+        local_block = 0
+    else:
+        # the sequence whose query blocks cover qb: largest s with start[s] // BLOCK_Q + s <= qb
+        lo = qb * 0
+        hi = qb * 0 + num_seqs  # invariant: the answer lies in [lo, hi)
+        for _ in range(LOG2_SEQS):
+            mid = (lo + hi) // 2
+            mid_start = tl.load(query_start_ptr + mid)
+            go_right = mid_start // BLOCK_Q + mid <= qb
+            lo = tl.where(go_right, mid, lo)
+            hi = tl.where(go_right, hi, mid)
+        seq = lo
+        q_start = tl.load(query_start_ptr + seq)
+        q_len = tl.load(query_start_ptr + seq + 1) - q_start
+        local_block = qb - (q_start // BLOCK_Q + seq)
+        if local_block * BLOCK_Q >= q_len:
+            return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_in_seq = local_block * BLOCK_Q + offs_m // GROUP  # query index within the sequence
+    head = kv_head * GROUP + offs_m % GROUP
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (q_in_seq < q_len)
+    token = (q_start + q_in_seq).to(tl.int64)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    q_pos = context + q_in_seq  # absolute position of each row's query
+
+    # keys this block may see, and this split's share of them, in whole tiles
+    kv_end = tl.minimum(seq_len, context + (local_block + 1) * BLOCK_Q)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    cache_head = kv_head.to(tl.int64) * stride_ch
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        kv_pos = tile * BLOCK_N + offs_n
+        kv_ok = kv_pos < kv_end
+        page = tl.load(table + kv_pos // PAGE_SIZE, mask=kv_ok, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + kv_pos % PAGE_SIZE
+        k = tl.load(
+            k_cache_ptr + cache_head + slot[None, :] * stride_cs + offs_d[:, None],
+            mask=kv_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )  # (BLOCK_D, BLOCK_N)
+        s = tl.dot(q, k) * scale_log2  # (BLOCK_M, BLOCK_N), log2 domain
+        visible = kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_new = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row that sees nothing yet
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_cache_ptr + cache_head + slot[:, None] * stride_cs + offs_d[None, :],
+            mask=kv_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # (BLOCK_N, BLOCK_D)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
+    else:
+        # partials: acc (NUM_SPLITS, num_tokens, num_heads, BLOCK_D), ml (2, NUM_SPLITS, tokens, heads)
+        row = (split * num_tokens + token) * num_heads + head
+        tl.store(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=out_mask)
+        tl.store(part_ml_ptr + row, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + NUM_SPLITS * num_tokens * num_heads + row, l_i, mask=row_ok)
+
+
+@triton.jit
+def combine_splits_kernel(
+    part_acc_ptr,
+    part_ml_ptr,
+    out_ptr,
+    num_tokens,
+    num_heads,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """Program (t, h): merges the splits' partial softmax sums of one query row."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    row = (splits * num_tokens + t) * num_heads + h  # (NUM_SPLITS,)
+    m = tl.load(part_ml_ptr + row)
+    l_part = tl.load(part_ml_ptr + NUM_SPLITS * num_tokens * num_heads + row)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+    w = tl.where(l_part > 0, tl.exp2(m - m_max), 0.0)  # a split that saw no key weighs nothing
+    acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :])  # (NUM_SPLITS, BLOCK_D)
+    total = tl.sum(w * l_part, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        out_ptr + t * stride_ot + h * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
+# ---- small fused ops of the model's layers (see `turbospark.engine.cuda_ops`) ----
+
+
+@triton.jit
+def rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    eps,
+    N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    """Row t: s = x (+ residual, rounded to the input dtype and stored), out = rms_norm(s) * w."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    mask = offs < N
+    x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + t * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + t * stride_ro + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    # rounded where the reference implementation rounds: the normalized row, then the product
+    normed = (xf * inv).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rotary_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    stride_xt,
+    stride_xh,
+    stride_ct,
+    stride_ot,
+    stride_oh,
+    HALF: tl.constexpr,
+):
+    """Program (t, h): head h of token t rotated, "rotate half" layout, sign folded into sin:
+    out = x * cos + roll(x, half) * sin."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, HALF)
+    x_row = x_ptr + t * stride_xt + h * stride_xh
+    x1 = tl.load(x_row + d).to(tl.float32)
+    x2 = tl.load(x_row + HALF + d).to(tl.float32)
+    c_row = t * stride_ct
+    c1 = tl.load(cos_ptr + c_row + d).to(tl.float32)
+    c2 = tl.load(cos_ptr + c_row + HALF + d).to(tl.float32)
+    s1 = tl.load(sin_ptr + c_row + d).to(tl.float32)
+    s2 = tl.load(sin_ptr + c_row + HALF + d).to(tl.float32)
+    o_row = out_ptr + t * stride_ot + h * stride_oh
+    dt = out_ptr.dtype.element_ty
+    # each product rounded to the activation dtype, then the sum: as x * cos + rotate_half(x) * sin
+    o1 = (x1 * c1).to(dt).to(tl.float32) + (x2 * s1).to(dt).to(tl.float32)
+    o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+    tl.store(o_row + d, o1.to(dt))
+    tl.store(o_row + HALF + d, o2.to(dt))
+
+
+@triton.jit
+def silu_mul_kernel(gu_ptr, out_ptr, stride_g, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (t, b): out[t, cols] = silu(gate) * up, gate and up the two halves of row t."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < INTER
+    g = tl.load(gu_ptr + t * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + t * stride_g + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # silu(gate) rounded, as its own op would
+    tl.store(out_ptr + t * stride_o + cols, (act * u).to(dt), mask=mask)

@@ -1,0 +1,67 @@
+"""The CPU kernel profile follows the CPU's flags and the override, and names what it picked."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from turbospark.engine.cpu_kernels import (
+    ENV_VAR,
+    cpu_flags,
+    cpu_kernels,
+    detect,
+    free_cores,
+    set_intra_op_threads,
+)
+
+AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
+SAPPHIRE_RAPIDS = AVX2 | {"avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile"}
+ZEN4 = AVX2 | {"avx512f", "avx512_vnni", "avx512_bf16"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "dense"),
+    [(AVX2, torch.float32), (SAPPHIRE_RAPIDS, torch.bfloat16), (ZEN4, torch.bfloat16)],
+    ids=["avx2", "amx", "avx512-bf16"],
+)
+def test_dense_dtype_is_bf16_only_where_bf16_is_native(flags, dense) -> None:
+    kernels = detect(flags, "auto")
+    assert kernels.dense_dtype == dense
+    assert kernels.native_bf16 == (dense == torch.bfloat16)
+    assert kernels.source == "detected"
+
+
+def test_override_wins_and_is_named() -> None:
+    assert detect(SAPPHIRE_RAPIDS, "avx2").dense_dtype == torch.float32
+    forced = detect(AVX2, "bf16")
+    assert forced.dense_dtype == torch.bfloat16 and ENV_VAR in forced.source
+    assert "bfloat16" in forced.describe()
+
+
+def test_override_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv(ENV_VAR, "avx2")
+    assert detect(SAPPHIRE_RAPIDS).dense_dtype == torch.float32
+    monkeypatch.setenv(ENV_VAR, "fastest")
+    with pytest.raises(ValueError, match=ENV_VAR):
+        detect(AVX2)
+
+
+def test_this_machine_gets_a_profile_naming_torch_capability() -> None:
+    kernels = cpu_kernels()
+    assert kernels.capability == torch.backends.cpu.get_cpu_capability()
+    assert kernels.capability in kernels.describe()
+    if "amx_bf16" not in cpu_flags() and "avx512_bf16" not in cpu_flags():
+        assert kernels.dense_dtype == torch.float32
+
+
+def test_pool_never_exceeds_the_cores_this_process_may_use(monkeypatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        threads = set_intra_op_threads()
+        assert 1 <= threads <= free_cores() == len(os.sched_getaffinity(0))
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,155 @@
+"""The model on CUDA in bf16: logits against transformers, and CUDA-graph decode against eager.
+
+Runs on a CUDA device (marker `gpu`). Tolerance for logits: bf16 weights and activations differ
+from a float32 reference by rounding alone; turbospark's bf16 logits must lie within twice the
+error of transformers' own bf16 logits on the same weights (plus 1e-3), both measured against
+transformers in float32.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_models import FAMILIES, checkpoint
+
+from turbospark.engine.attention import build_attention_metadata
+from turbospark.engine.kv_cache import KVCache
+from turbospark.engine.models import build_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+BLOCK_SIZE = 16
+
+
+def random_ids(n: int, seed: int, vocab: int = 320) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def cuda_model(family: str, init_std: float = 0.02):
+    cfg, tensors, ref = checkpoint(FAMILIES[family], init_std=init_std)
+    return build_model(cfg, tensors, "cuda", torch.bfloat16), ref
+
+
+def cuda_cache(model, num_blocks: int) -> KVCache:
+    from turbospark.engine.cuda_attention import CudaAttention
+
+    c = model.config
+    return KVCache(
+        c.num_hidden_layers,
+        num_blocks,
+        BLOCK_SIZE,
+        c.num_key_value_heads,
+        c.head_dim,
+        torch.bfloat16,
+        "cuda",
+        attention=CudaAttention(),
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_weights_live_on_the_device_in_bf16(family: str) -> None:
+    model, _ = cuda_model(family)
+    for name, p in [*model.named_parameters(), *model.named_buffers()]:
+        assert p.device.type == "cuda" and p.dtype == torch.bfloat16, name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_logits_match_transformers_within_bf16_rounding(family: str) -> None:
+    model, ref = cuda_model(family)
+    ids = random_ids(90, seed=1)
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0, -1]
+        hf_bf16 = copy.deepcopy(ref).to(device="cuda", dtype=torch.bfloat16)
+        hf_bf16.config._attn_implementation = "sdpa"
+        hf = hf_bf16(torch.tensor([ids], device="cuda")).logits[0, -1].float().cpu()
+    kv = cuda_cache(model, 16)
+    table: list[int] = []
+    assert kv.grow(table, len(ids))
+    meta, positions = build_attention_metadata([table], [0], [len(ids)], BLOCK_SIZE, torch.device("cuda"))
+    with torch.inference_mode():
+        got = model(torch.tensor(ids, device="cuda"), positions, meta, kv)[0].cpu()
+    hf_err = (hf - want).abs().max().item()
+    our_err = (got - want).abs().max().item()
+    assert our_err <= 2 * hf_err + 1e-3, (our_err, hf_err)
+
+
+def greedy(
+    model, kv, step, prompts: list[list[int]], num_steps: int
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Prefills every prompt in one eager step, then decodes them together with `step`."""
+    device = torch.device("cuda")
+    tables: list[list[int]] = []
+    for p in prompts:
+        table: list[int] = []
+        assert kv.grow(table, len(p) + num_steps)
+        tables.append(table)
+    flat = torch.tensor([t for p in prompts for t in p], device=device)
+    meta, positions = build_attention_metadata(
+        tables, [0] * len(prompts), [len(p) for p in prompts], BLOCK_SIZE, device
+    )
+    with torch.inference_mode():
+        logits = model(flat, positions, meta, kv)
+    tokens = [[t] for t in logits.argmax(-1).tolist()]
+    lens = [len(p) for p in prompts]
+    all_logits = []
+    for _ in range(num_steps - 1):
+        meta, positions = build_attention_metadata(tables, lens, [1] * len(prompts), BLOCK_SIZE, device)
+        ids = torch.tensor([t[-1] for t in tokens], device=device)
+        logits = step(ids, positions, meta)
+        all_logits.append(logits.clone())
+        for i, t in enumerate(logits.argmax(-1).tolist()):
+            tokens[i].append(t)
+        lens = [n + 1 for n in lens]
+    return tokens, all_logits
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama3"])
+@pytest.mark.parametrize("num_seqs", [1, 3, 4, 7])  # 3 and 7 replay padded graphs (4, 8)
+def test_graph_decode_gives_the_eager_text(family: str, num_seqs: int) -> None:
+    from turbospark.engine.cuda_graphs import CudaGraphRunner
+
+    model, _ = cuda_model(family, init_std=0.1)  # sharper distributions than the default init
+    prompts = [random_ids(5 + 13 * i, seed=10 + i) for i in range(num_seqs)]
+    num_steps = 40
+    blocks = num_seqs * ((max(map(len, prompts)) + num_steps) // BLOCK_SIZE + 1)
+
+    kv_eager = cuda_cache(model, blocks)
+    with torch.inference_mode():
+        eager_tokens, eager_logits = greedy(
+            model, kv_eager, lambda i, p, m: model(i, p, m, kv_eager), prompts, num_steps
+        )
+    kv_graph = cuda_cache(model, blocks)
+    graphs = CudaGraphRunner(model, kv_graph, max_blocks_per_seq=16, batch_sizes=(1, 2, 4, 8))
+    graphs.capture()
+    graph_tokens, graph_logits = greedy(model, kv_graph, graphs, prompts, num_steps)
+    assert graph_tokens == eager_tokens
+    assert len({t for seq in eager_tokens for t in seq}) > 3  # the text is not one repeated token
+    for g, e in zip(graph_logits, eager_logits, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-2, rtol=0)
+
+
+def test_steps_that_do_not_fit_a_graph_run_eagerly() -> None:
+    from turbospark.engine.cuda_graphs import CudaGraphRunner
+
+    model, _ = cuda_model("qwen2")
+    kv = cuda_cache(model, 64)
+    graphs = CudaGraphRunner(model, kv, max_blocks_per_seq=4, batch_sizes=(1, 2))
+    graphs.capture()
+    device = torch.device("cuda")
+    tables: list[list[int]] = [[], [], []]
+    for t in tables:
+        assert kv.grow(t, 80)
+    # a prefill, three decodes (more than the largest graph), a context wider than 4 blocks
+    meta, _ = build_attention_metadata([tables[0]], [0], [9], BLOCK_SIZE, device)
+    assert not graphs.can_replay(torch.zeros(9, device=device), meta)
+    meta, _ = build_attention_metadata(tables, [5, 6, 7], [1, 1, 1], BLOCK_SIZE, device)
+    assert not graphs.can_replay(torch.zeros(3, device=device), meta)
+    meta, _ = build_attention_metadata(tables[:1], [70], [1], BLOCK_SIZE, device)
+    assert not graphs.can_replay(torch.zeros(1, device=device), meta)
+    meta, _ = build_attention_metadata(tables[:2], [5, 60], [1, 1], BLOCK_SIZE, device)
+    assert graphs.can_replay(torch.zeros(2, device=device), meta)

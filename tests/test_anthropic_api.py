@@ -13,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from turbospark.api.anthropic import parse_messages_request, plan_messages
+from turbospark.api.anthropic import parse_messages_request
 from turbospark.api.common import ServerState
 from turbospark.backend import (
     CancelFlag,
@@ -26,6 +26,7 @@ from turbospark.backend import (
     TokenEvent,
 )
 from turbospark.engine.scheduler import SchedulerConfig
+from turbospark.plan import make_plan
 from turbospark.registry import ModelRegistry
 from turbospark.scripted import ScriptedChatModel
 from turbospark.testing import LiveServer
@@ -331,7 +332,7 @@ def test_tool_results_string_blocks_and_errors() -> None:
         "<|im_start|>user\nSummarize.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     )
 
-    chat = parse_messages_request(payload).chat
+    chat = parse_messages_request(payload)
     assert [(m.role, m.tool_call_id, m.name) for m in chat.messages if m.role == "tool"] == [
         ("tool", "toolu_1", "get_weather"),
         ("tool", "toolu_2", "get_weather"),
@@ -341,7 +342,7 @@ def test_tool_results_string_blocks_and_errors() -> None:
 def test_images_are_decoded_and_refused_by_a_model_without_vision() -> None:
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG_1X1}}
     payload = body(messages=[{"role": "user", "content": [image, {"type": "text", "text": "What is it?"}]}])
-    (message,) = parse_messages_request(payload).chat.messages
+    (message,) = parse_messages_request(payload).messages
     assert message.content == "What is it?"
     assert message.images[0].media_type == "image/png" and message.images[0].data.startswith(b"\x89PNG")
     with LiveServer([ScriptedChatModel()]) as srv:
@@ -361,7 +362,7 @@ def effort_of(thinking: Any = None, effort: str | None = None) -> tuple[Reasonin
         payload["thinking"] = thinking
     if effort is not None:
         payload["output_config"] = {"effort": effort}
-    plan = plan_messages(parse_messages_request(payload), registry)
+    plan = make_plan(parse_messages_request(payload), registry)
     return plan.reasoning, plan.thinking_budget
 
 

@@ -16,11 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from turbospark.api import anthropic, fields, ollama, openai, responses
-from turbospark.backend import GuardrailConfig
 from turbospark.errors import ApiError
 from turbospark.events import TextDelta, ToolCallArgs, ToolCallStart
 from turbospark.request import Tool
 from turbospark.toolcalls import ToolFamily, parser_class
+from turbospark.toolcalls.guardrails import GuardrailConfig
 
 SETTINGS = settings(
     max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]

@@ -23,12 +23,12 @@ from turbospark.grammar import (
     make_matcher,
     processors_for_plan,
 )
-from turbospark.guardrails import check_arguments
 from turbospark.plan import make_plan
 from turbospark.registry import ModelRegistry
 from turbospark.request import ChatRequest, Message, ResponseFormat, Tool, ToolChoice, ToolChoiceMode
 from turbospark.scripted import ScriptedChatModel, byte_tokenizer
 from turbospark.tokenizer import Tokenizer
+from turbospark.toolcalls.guardrails import check_arguments
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

@@ -15,7 +15,7 @@ from turbospark.api.ollama import (
     parse_keep_alive,
     parse_think,
 )
-from turbospark.backend import ReasoningEffort
+from turbospark.backend import ModelDetails, ReasoningEffort
 from turbospark.engine.scheduler import SchedulerConfig
 from turbospark.errors import ApiError
 from turbospark.ratecontrol import RateControl
@@ -244,6 +244,34 @@ def test_names_as_ollama_lists_them() -> None:
         assert httpx.post(server.url + "/api/generate", json=body).json()["response"] == "ok"
 
 
+class DescribedScripted(ScriptedChatModel):
+    """A scripted model that states its facts, as a loaded checkpoint does."""
+
+    def details(self) -> ModelDetails:
+        return ModelDetails("qwen2", "gguf", 494_032_768, "Q4_K_M", 397_808_192)
+
+
+def test_model_details_clients_read() -> None:
+    with LiveServer([DescribedScripted(model_id="coder", max_context=2048)]) as server:
+        (tagged,) = httpx.get(server.url + "/api/tags").json()["models"]
+        shown = httpx.post(server.url + "/api/show", json={"model": "coder"}).json()
+        (running,) = httpx.get(server.url + "/api/ps").json()["models"]
+    details = {
+        "parent_model": "",
+        "format": "gguf",
+        "family": "qwen2",
+        "families": ["qwen2"],
+        "parameter_size": "494.0M",
+        "quantization_level": "Q4_K_M",
+    }
+    assert tagged["details"] == shown["details"] == running["details"] == details
+    assert tagged["size"] == running["size"] == 397_808_192 and running["size_vram"] == 0
+    # Editors size their prompts from the architecture's context length.
+    assert shown["model_info"]["qwen2.context_length"] == 2048 == running["context_length"]
+    assert shown["model_info"]["general.architecture"] == "qwen2"
+    assert shown["model_info"]["general.parameter_count"] == 494_032_768
+
+
 def slow_backend(reply_len: int = 2000) -> tuple[ScriptedChatModel, RateControl]:
     control = RateControl(200)
     scheduler = SchedulerConfig(max_active=1, max_waiting=0, retry_after=2)
@@ -259,9 +287,10 @@ def test_disconnect_stops_generation_and_frees_the_slot() -> None:
             lines = reply.iter_lines()
             for _ in range(5):
                 next(lines)
-            # The only slot is taken: a second request is turned away, Ollama-shaped.
+            # The only slot is taken: a second request is turned away, Ollama-shaped (Ollama's
+            # own "server busy" status is 503).
             busy = httpx.post(server.url + "/api/chat", json={**body, "stream": False})
-            assert busy.status_code == 429 and "error" in busy.json()
+            assert busy.status_code == 503 and "error" in busy.json()
             assert busy.headers["retry-after"] == "2"
         time.sleep(0.5)
         made = control.num_tokens

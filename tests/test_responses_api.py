@@ -23,7 +23,9 @@ from turbospark.backend import (
     RequestImage,
 )
 from turbospark.errors import ApiError
+from turbospark.plan import make_plan
 from turbospark.ratecontrol import RateControl
+from turbospark.registry import ModelRegistry
 from turbospark.scripted import ScriptedChatModel
 from turbospark.testing import LiveServer
 
@@ -390,7 +392,11 @@ def test_request_fields_map() -> None:
     assert request.tool_choice.name == "get_weather"
     assert request.response_format is not None and request.response_format.type == "json_object"
     with pytest.raises(ApiError, match="tool_choice"):
-        parse_request({"model": "m", "input": "hi", "tool_choice": {"type": "function", "name": "nope"}})
+        # The tool_choice policy is the plan's: checked before the model is even looked up.
+        make_plan(
+            parse_request({"model": "m", "input": "hi", "tool_choice": {"type": "function", "name": "nope"}}),
+            ModelRegistry(),
+        )
     with pytest.raises(ApiError, match="input"):
         parse_request({"model": "m", "input": 3})
 

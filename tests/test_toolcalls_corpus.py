@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from corpus.support import corpus, corpus_tools, family_tokenizer, summarize
-from turbospark.backend import GuardrailConfig
 from turbospark.events import Event, Finish, TextDelta
 from turbospark.generate import run_choice, stream_choice
 from turbospark.metrics import sample
@@ -24,6 +23,7 @@ from turbospark.registry import ModelRegistry
 from turbospark.request import ChatRequest, Message
 from turbospark.scripted import ScriptedChatModel
 from turbospark.toolcalls import ToolFamily, detect_family, parser_class
+from turbospark.toolcalls.guardrails import GuardrailConfig
 from turbospark.toolcalls.stream import CallStats
 
 CASES = corpus()["cases"]

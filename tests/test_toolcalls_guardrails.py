@@ -10,10 +10,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from corpus.support import TEMPLATES, family_tokenizer
-from turbospark.backend import GuardrailConfig
 from turbospark.events import TextDelta, ToolCallArgs, ToolCallStart
-from turbospark.guardrails import (
+from turbospark.metrics import sample
+from turbospark.request import Tool
+from turbospark.scripted import ScriptedChatModel
+from turbospark.testing import LiveServer
+from turbospark.toolcalls import ToolFamily, detect_family, make_tool_parser
+from turbospark.toolcalls.guardrails import (
     CheckedCall,
+    GuardrailConfig,
     JsonRepairError,
     Rejected,
     check_arguments,
@@ -21,11 +26,6 @@ from turbospark.guardrails import (
     loads_tolerant,
     match_tool_name,
 )
-from turbospark.metrics import sample
-from turbospark.request import Tool
-from turbospark.scripted import ScriptedChatModel
-from turbospark.testing import LiveServer
-from turbospark.toolcalls import ToolFamily, detect_family, make_tool_parser
 
 
 @pytest.mark.parametrize(

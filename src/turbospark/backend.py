@@ -113,14 +113,19 @@ class RequestImage:
     media_type: str
 
 
-@dataclass(slots=True)
-class GuardrailConfig:
-    """Process-level tool-call guardrails. Only active when a request carries tools."""
+@dataclass(slots=True, frozen=True)
+class ModelDetails:
+    """What a model is, for clients that list models (Ollama's /api/tags and /api/show).
 
-    enabled: bool = True
-    repair_json: bool = True
-    match_names: bool = True
-    validate_schema: bool = True
+    Empty values mean unknown; a backend fills in what it knows.
+    """
+
+    family: str = ""  # the architecture (Hugging Face model_type), e.g. "qwen2", "llama"
+    format: str = ""  # how the weights were stored, e.g. "gguf", "safetensors"
+    num_parameters: int = 0
+    quantization: str = ""  # how the weights are held, e.g. "int8", "int4", "BF16"
+    size_bytes: int = 0  # the weights' size
+    device: str = "cpu"  # where the weights are held ("cpu", "cuda:0", ...)
 
 
 class BackendError(Exception):
@@ -151,6 +156,8 @@ class ChatModel(Protocol):
 
     def vision(self) -> VisionInfo | None: ...
 
+    def details(self) -> ModelDetails: ...
+
     def supports_embeddings(self) -> bool: ...
 
     def encode(self, texts: Sequence[str]) -> list[list[float]]: ...
@@ -164,54 +171,23 @@ class ChatModel(Protocol):
         on_progress: ProgressCallback,
     ) -> CompletionResult: ...
 
-    def guardrails(self) -> GuardrailConfig: ...
-
-    def default_reasoning(self) -> ReasoningEffort: ...
-
-    def default_system(self) -> str | None: ...
-
 
 class BackendDefaults:
     """Mixin with the protocol's defaults, so a backend only writes what differs."""
 
     model_id: str
-    _default_reasoning: ReasoningEffort = ReasoningEffort.OFF
-    _default_system: str | None = None
-    _guardrails: GuardrailConfig = GuardrailConfig()
 
     def aliases(self) -> list[str]:
-        # Claude Code's gateway discovery keeps only ids starting with "claude" or "anthropic".
-        return [f"claude-turbospark-{self.model_id}"]
+        return []
 
     def vision(self) -> VisionInfo | None:
         return None
+
+    def details(self) -> ModelDetails:
+        return ModelDetails()
 
     def supports_embeddings(self) -> bool:
         return False
 
     def encode(self, texts: Sequence[str]) -> list[list[float]]:
         raise BackendError(f"model {self.model_id!r} does not support embeddings")
-
-    def guardrails(self) -> GuardrailConfig:
-        return self._guardrails
-
-    def default_reasoning(self) -> ReasoningEffort:
-        return self._default_reasoning
-
-    def default_system(self) -> str | None:
-        return self._default_system
-
-    def configure(
-        self,
-        *,
-        default_system: str | None = None,
-        default_reasoning: ReasoningEffort | None = None,
-        guardrails: GuardrailConfig | None = None,
-    ) -> None:
-        """Process-level settings from the CLI, applied once at start-up."""
-        if default_system is not None:
-            self._default_system = default_system
-        if default_reasoning is not None:
-            self._default_reasoning = default_reasoning
-        if guardrails is not None:
-            self._guardrails = guardrails

@@ -11,12 +11,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from turbospark import metrics
-from turbospark.backend import BackendDefaults, ChatModel, GuardrailConfig, ReasoningEffort
+from turbospark.backend import ChatModel, ReasoningEffort
 from turbospark.engine.scheduler import SchedulerConfig
 from turbospark.limits import Limits
 from turbospark.ratecontrol import RateControl, parse_thermal_steps, temperature_source
-from turbospark.registry import ModelRegistry
+from turbospark.registry import ModelRegistry, ServedModel
 from turbospark.scripted import DEMO_MAX_CONTEXT, DEMO_REPLY, ScriptedChatModel
+from turbospark.toolcalls.guardrails import GuardrailConfig
 
 log = logging.getLogger("turbospark")
 
@@ -98,15 +99,16 @@ def load_into(registry: ModelRegistry, args: argparse.Namespace) -> None:
             backend = load_model(spec, args, rate)
         except Exception as exc:
             raise ModelLoadError(f"cannot load model {spec!r}: {type(exc).__name__}: {exc}") from exc
-        if isinstance(backend, BackendDefaults):
-            backend.configure(
-                default_system=system,
-                default_reasoning=ReasoningEffort(args.reasoning) if args.reasoning else None,
+        served = registry.add(
+            ServedModel(
+                backend,
                 guardrails=GuardrailConfig(enabled=not args.no_guardrails),
+                default_system=system,
+                default_reasoning=ReasoningEffort(args.reasoning or ReasoningEffort.OFF),
             )
-        registry.add(backend)
+        )
         registry.num_loading -= 1
-        log.info("serving %s (aliases: %s)", backend.model_id, ", ".join(backend.aliases()))
+        log.info("serving %s (aliases: %s)", backend.model_id, ", ".join(served.names()[1:]))
 
 
 class ModelLoadError(RuntimeError):

@@ -26,23 +26,47 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
-from turbospark.backend import LogitsProcessor, ReasoningEffort
+from turbospark.backend import ChatModel, GenerationConfig, LogitsProcessor, ReasoningEffort
 from turbospark.errors import invalid
 from turbospark.metrics import GRAMMAR_REQUESTS
 from turbospark.reasoning import ThinkingBudget
-from turbospark.request import ResponseFormat, Tool, ToolChoiceMode
+from turbospark.request import ChatRequest, ResponseFormat, Tool, ToolChoiceMode
 from turbospark.toolcalls import ToolFamily, detect_family
 
 if TYPE_CHECKING:
     import llguidance
 
-    from turbospark.plan import Plan
     from turbospark.tokenizer import Tokenizer
+
+
+class PlanFacts(Protocol):
+    """What the processors are built from: the fields of `turbospark.plan.Plan` read here
+    (a protocol, so this module does not import the plan step that calls it)."""
+
+    @property
+    def backend(self) -> ChatModel: ...
+    @property
+    def request(self) -> ChatRequest: ...
+    @property
+    def config(self) -> GenerationConfig: ...
+    @property
+    def chat_template(self) -> str | None: ...
+    @property
+    def tools(self) -> list[Tool]: ...
+    @property
+    def reasoning(self) -> ReasoningEffort: ...
+    @property
+    def start_in_reasoning(self) -> bool: ...
+    @property
+    def has_reasoning_markup(self) -> bool: ...
+    @property
+    def thinking_budget(self) -> int | None: ...
+
 
 # JSON inside a grammar: flexible but bounded whitespace, so a model cannot spin on spaces, and
 # lenient about schema keywords llguidance does not enforce (format, $schema, ...).
@@ -215,21 +239,16 @@ def response_schema(fmt: ResponseFormat) -> dict[str, Any] | None:
     return None
 
 
-def grammar_for_plan(plan: Plan) -> tuple[str, str] | None:
+def grammar_for_plan(plan: PlanFacts) -> tuple[str, str] | None:
     """(Lark grammar, kind) the answer must follow, or None when it is free text."""
     request = plan.request
     tokenizer = plan.backend.tokenizer
     g = _Lark(tokenizer)
     mode = request.tool_choice.mode
-    if request.tools and mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED):
-        tools = request.tools
-        if mode is ToolChoiceMode.NAMED:
+    if plan.tools and mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED):
+        tools = plan.tools
+        if mode is ToolChoiceMode.NAMED:  # the plan checked that the named tool is declared
             tools = [t for t in tools if t.name == request.tool_choice.name]
-            if not tools:
-                raise invalid(
-                    f"tool_choice names {request.tool_choice.name!r}, which is not a declared tool",
-                    "tool_choice",
-                )
         family = detect_family(plan.chat_template)
         calls = tool_call_grammar(g, family, tools, request.parallel_tool_calls, plan.chat_template)
         g.rule(calls, "start")
@@ -238,9 +257,9 @@ def grammar_for_plan(plan: Plan) -> tuple[str, str] | None:
     if schema is None:
         return None
     answer = g.json(schema)
-    if request.tools and mode is ToolChoiceMode.AUTO:
+    if plan.tools and mode is ToolChoiceMode.AUTO:
         family = detect_family(plan.chat_template)
-        calls = tool_call_grammar(g, family, request.tools, request.parallel_tool_calls, plan.chat_template)
+        calls = tool_call_grammar(g, family, plan.tools, request.parallel_tool_calls, plan.chat_template)
         g.rule(f"{answer} | {calls}", "start")
     else:
         g.rule(answer, "start")
@@ -378,7 +397,7 @@ def make_matcher(grammar: str, tokenizer: Tokenizer, vocab_size: int, param: str
     return matcher
 
 
-def processors_for_plan(plan: Plan) -> list[LogitsProcessor]:
+def processors_for_plan(plan: PlanFacts) -> list[LogitsProcessor]:
     out: list[LogitsProcessor] = []
     tokenizer = plan.backend.tokenizer
     open_id, close_id = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")

@@ -1,22 +1,34 @@
 """The plan step: the one place every request passes through between wire format and engine.
 
-Here, and nowhere else: the model is resolved; the default system prompt (only when the request
-has no system or developer message) and the default reasoning effort are applied; the chat
-template is rendered (or a raw prompt taken); the prompt is counted against the context (too
-long is a 400, never a truncation); and the token-level `GenerationConfig` is built.
+Here, and nowhere else, a `ChatRequest` meets the served model's policy (`registry.ServedModel`):
+
+- the model is resolved, and images are refused by name when it has no vision tower;
+- the tool_choice policy holds: `none` drops the tools, `required` needs tools, a named tool must
+  be declared;
+- the reasoning effort is resolved: a level the caller named, else one picked from the caller's
+  thinking budget, else the model's default (thinking asked for without a level: the default,
+  or medium when the default is off); an assistant prefill turns thinking off, and a prefill
+  together with thinking asked for is a 400;
+- the default system prompt is added (only when the request has no system or developer message);
+- the chat template is rendered (or a raw prompt taken), the prefill appended, the prompt
+  encoded once and counted against the context (too long is a 400, never a truncation);
+- the token-level `GenerationConfig` is built, with the logits processors of `grammar.py`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import json
+from dataclasses import dataclass, replace
 from typing import Any
 
 from turbospark.backend import ChatModel, GenerationConfig, ReasoningEffort
 from turbospark.chat_template import CHATML_TEMPLATE, ChatTemplateError, render_chat_template
 from turbospark.errors import invalid
+from turbospark.grammar import processors_for_plan
 from turbospark.limits import check_images, check_prompt_tokens, check_request
 from turbospark.registry import ModelRegistry
-from turbospark.request import ChatRequest, Message
+from turbospark.request import ChatRequest, Message, Tool, ToolChoiceMode
+from turbospark.toolcalls.guardrails import GuardrailConfig
 
 # Reasoning tokens allowed per effort level when the caller gives no explicit budget.
 THINKING_BUDGETS = {ReasoningEffort.LOW: 512, ReasoningEffort.MEDIUM: 2048, ReasoningEffort.HIGH: 8192}
@@ -31,10 +43,11 @@ class Plan:
     config: GenerationConfig
     reasoning: ReasoningEffort
     chat_template: str | None
+    tools: list[Tool]  # the tools the reply may call (none under tool_choice "none")
+    guardrails: GuardrailConfig
     start_in_reasoning: bool = False  # the generation prompt opened a think block
     has_reasoning_markup: bool = False  # the model can emit <think> at all
     thinking_budget: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def config_for_choice(self, index: int) -> GenerationConfig:
         """A fresh config per choice: choices of one seeded request differ but reproduce."""
@@ -74,22 +87,59 @@ def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
 
 
 def _args_obj(arguments: str) -> Any:
-    import json
-
     try:
         return json.loads(arguments)
     except ValueError:
         return arguments
 
 
-def template_tools(request: ChatRequest) -> list[dict[str, Any]]:
+def template_tools(tools: list[Tool]) -> list[dict[str, Any]]:
     return [
         {
             "type": "function",
             "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
         }
-        for t in request.tools
+        for t in tools
     ]
+
+
+def callable_tools(request: ChatRequest) -> list[Tool]:
+    """The tools the reply may call, after the tool_choice policy (see the module docstring)."""
+    choice = request.tool_choice
+    if choice.mode is ToolChoiceMode.NONE:
+        return []
+    if choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED) and not request.tools:
+        written = choice.as_written or choice.name or choice.mode.value
+        raise invalid(f"'{choice.where}' is {written!r} but the request has no tools", "tool_choice")
+    if choice.mode is ToolChoiceMode.NAMED and choice.name not in {t.name for t in request.tools}:
+        raise invalid(f"'{choice.where}' {choice.name!r} is not one of the declared tools", choice.where)
+    return request.tools
+
+
+def effort_for_budget(budget: int) -> ReasoningEffort:
+    """The level a thinking budget asks for (Anthropic's `budget_tokens` scale)."""
+    if budget <= 1024:
+        return ReasoningEffort.LOW
+    return ReasoningEffort.MEDIUM if budget <= 4096 else ReasoningEffort.HIGH
+
+
+def reasoning_effort(request: ChatRequest, default: ReasoningEffort) -> ReasoningEffort:
+    """The effort a request runs at, given the served model's default (see the module docstring)."""
+    if request.prefill is not None:
+        if request.thinking_on or request.thinking_budget is not None:
+            raise invalid(
+                "a final assistant message (prefill) cannot be combined with thinking; disable thinking "
+                "or end with a user message",
+                "messages",
+            )
+        return ReasoningEffort.OFF  # a prefill must not land inside a think block
+    if request.reasoning_effort is not None:
+        return request.reasoning_effort
+    if request.thinking_budget is not None:
+        return effort_for_budget(request.thinking_budget)
+    if request.thinking_on and default is ReasoningEffort.OFF:
+        return ReasoningEffort.MEDIUM
+    return default
 
 
 def _with_default_system(messages: list[Message], system: str | None) -> list[Message]:
@@ -100,35 +150,33 @@ def _with_default_system(messages: list[Message], system: str | None) -> list[Me
 
 def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
     check_request(request, registry.limits)
-    backend = registry.resolve(request.model)
+    tools = callable_tools(request)  # the request alone decides this: refused before any lookup
+    served = registry.resolve(request.model)
+    backend = served.backend
     if backend.vision() is None and request.images():
         # Refused here, by name: a text-only template cannot even render image parts.
-        raise invalid(f"model {backend.model_id!r} cannot read images: it has no vision tower", "messages")
-    check_images(request, registry.limits)
-    tokenizer = backend.tokenizer
-    effort = request.reasoning_effort or backend.default_reasoning()
-    template = tokenizer.chat_template or CHATML_TEMPLATE
-    think_id = tokenizer.token_to_id("<think>")
-    has_reasoning = think_id is not None or "<think>" in template
-
-    if request.images() and backend.vision() is None:
         raise invalid(
             f"model {backend.model_id!r} cannot read images: it has no vision tower; send text only "
             "or choose a vision model",
             "messages",
         )
+    check_images(request, registry.limits)
+    tokenizer = backend.tokenizer
+    effort = reasoning_effort(request, served.default_reasoning)
+    template = tokenizer.chat_template or CHATML_TEMPLATE
+    think_id = tokenizer.token_to_id("<think>")
+    has_reasoning = think_id is not None or "<think>" in template
 
     if request.prompt is not None:
         prompt_text = request.prompt
         prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=request.add_special_tokens)
     else:
-        messages = _with_default_system(request.messages, backend.default_system())
-        tools = template_tools(request) if request.tools else None
+        messages = _with_default_system(request.messages, served.default_system)
         try:
             prompt_text = render_chat_template(
                 template,
                 template_messages(messages),
-                tools=tools,
+                tools=template_tools(tools) if tools else None,
                 add_generation_prompt=True,
                 bos_token=tokenizer.bos_token,
                 eos_token=tokenizer.eos_token,
@@ -137,6 +185,7 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
             )
         except ChatTemplateError as exc:
             raise invalid(f"the model's chat template rejected these messages: {exc}", "messages") from exc
+        prompt_text += request.prefill or ""
         prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=False)
 
     if not prompt_ids:
@@ -175,7 +224,10 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
         seed=sp.seed,
         num_top_logprobs=(sp.top_logprobs if sp.logprobs else None),
     )
-    start_in_reasoning = has_reasoning and prompt_text.rstrip().endswith("<think>")
+    # A prefill follows the generation prompt, so the reply never starts inside a think block.
+    start_in_reasoning = (
+        has_reasoning and request.prefill is None and prompt_text.rstrip().endswith("<think>")
+    )
     budget = request.thinking_budget
     if budget is None and effort is not ReasoningEffort.OFF:
         budget = THINKING_BUDGETS.get(effort)
@@ -187,11 +239,11 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
         config=config,
         reasoning=effort,
         chat_template=template,
+        tools=tools,
+        guardrails=served.guardrails,
         start_in_reasoning=start_in_reasoning,
         has_reasoning_markup=has_reasoning,
         thinking_budget=budget if has_reasoning else None,
     )
-    from turbospark.grammar import processors_for_plan  # grammar imports Plan for its types
-
     plan.config.processors.extend(processors_for_plan(plan))
     return plan

@@ -34,11 +34,16 @@ class Message:
     reasoning: str | None = None  # an assistant turn's earlier thinking
 
 
+def empty_object_schema() -> dict[str, Any]:
+    """The parameters schema of a tool that declares none: an object with no properties."""
+    return {"type": "object", "properties": {}}
+
+
 @dataclass(slots=True)
 class Tool:
     name: str
     description: str = ""
-    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    parameters: dict[str, Any] = field(default_factory=empty_object_schema)
     strict: bool = False
 
 
@@ -51,8 +56,14 @@ class ToolChoiceMode(StrEnum):
 
 @dataclass(slots=True)
 class ToolChoice:
+    """The caller's tool_choice. The plan enforces it: `none` drops the tools, `required` needs
+    tools, a named tool must be declared."""
+
     mode: ToolChoiceMode = ToolChoiceMode.AUTO
     name: str | None = None
+    # Where and how the caller wrote it (`tool_choice.type`, "any"), so a refusal quotes them.
+    where: str = "tool_choice"
+    as_written: str = ""
 
 
 @dataclass(slots=True)
@@ -91,8 +102,12 @@ class ChatRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     n: int = 1
-    reasoning_effort: ReasoningEffort | None = None  # None: the backend's default
-    thinking_budget: int | None = None  # max reasoning tokens, when the caller set one
+    # Reasoning, resolved by the plan against the served model's default:
+    reasoning_effort: ReasoningEffort | None = None  # a level the caller named (OFF: no thinking)
+    thinking_budget: int | None = None  # max reasoning tokens; picks the level when none is named
+    thinking_on: bool = False  # thinking asked for without a level: the default, else medium
+    # The start of the reply, written by the caller (a final assistant turn): the reply continues it.
+    prefill: str | None = None
     # A raw prompt skips the chat template (OpenAI /v1/completions, Ollama raw generate).
     prompt: str | None = None
     add_special_tokens: bool = True

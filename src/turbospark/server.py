@@ -27,8 +27,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from turbospark import __version__, metrics
-from turbospark.api import anthropic, embeddings, ollama, openai, openapi, operations, responses
+from turbospark.api import anthropic, embeddings, models, ollama, openai, openapi, operations, responses
 from turbospark.api.common import ServerState, Shutdown, state_of
+from turbospark.api.envelopes import anthropic_error, ollama_error, openai_error_body
 from turbospark.errors import ApiError, ErrorKind
 
 
@@ -47,10 +48,10 @@ def render_unrouted(request: Request, exc: ApiError) -> Response:
     """An error for a request no route took, in the envelope its path (or headers) suggest."""
     path = request.url.path
     if path.startswith("/api/"):
-        return ollama.render_error(exc)
+        return ollama_error(exc)
     if path.startswith("/v1/messages") or "anthropic-version" in request.headers:
-        return anthropic.render_error(exc)
-    body = openai.error_body(exc)
+        return anthropic_error(exc)
+    body = openai_error_body(exc)
     body["error"]["code"] = None  # not "model_not_found": no route, whatever the model
     return JSONResponse(body, status_code=exc.status)
 
@@ -77,9 +78,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 def create_app(state: ServerState, *, cors_origins: Sequence[str] = ()) -> Starlette:
     routes: list[BaseRoute] = [Route("/health", health, methods=["GET"])]
-    # Each API module contributes routes(); order matters only where paths overlap.
+    # Each API module contributes routes(); no two share a path.
     routes += operations.routes()
-    routes += anthropic.routes()  # before openai: it answers /v1/models in either envelope
+    routes += models.routes()  # /v1/models, in the envelope of the caller's API
+    routes += anthropic.routes()
     routes += openai.routes()
     routes += responses.routes()
     routes += ollama.routes()

@@ -19,6 +19,7 @@ from turbospark.backend import (
 )
 from turbospark.engine.backend import RealChatModel, resolve_numerics
 from turbospark.engine.models import build_model
+from turbospark.registry import ModelRegistry
 from turbospark.tokenizer import Tokenizer
 
 WORDS = [f"w{i}" for i in range(316)]
@@ -47,12 +48,17 @@ def test_protocol_surface() -> None:
     model = backend()
     assert isinstance(model, ChatModel)
     assert model.model_id == "tiny-llama"
-    assert "claude-turbospark-tiny-llama" in model.aliases()
+    # The Claude Code alias is the registry's (a wire-format rule), not the backend's.
+    assert ModelRegistry().add(model).names() == ["tiny-llama", "claude-turbospark-tiny-llama"]
     assert model.vocab_size == 320
     assert model.max_context == 512  # capped by the config's max_position_embeddings
     assert backend(max_context=100).max_context == 100
     assert model.vision() is None
     assert model.tokenizer.eos_token_ids == frozenset({2})
+    details = model.details()
+    assert (details.family, details.quantization) == ("llama", "F32")
+    assert details.num_parameters == sum(p.numel() for p in model.runner.model.parameters())
+    assert details.size_bytes == sum(p.numel() * p.element_size() for p in model.runner.model.parameters())
 
 
 def test_run_completion_from_text_to_text() -> None:

@@ -15,14 +15,15 @@ Mapping decisions, stated once:
 - `tool_result` blocks become tool messages (named after the matching `tool_use`); an error
   result is prefixed with "Error: ". Thinking blocks in history become the turn's reasoning;
   `redacted_thinking` is skipped. A final assistant message is a prefill the reply continues.
-- `thinking` disabled -> effort off; enabled -> an effort from `budget_tokens` (or from
-  `output_config.effort`) with that budget enforced; adaptive -> `output_config.effort`, else the
-  backend's default, else medium; not sent -> the backend's default. `output_config.effort`
+- `thinking` disabled -> effort off; enabled -> `budget_tokens` (enforced) and
+  `output_config.effort` if sent; adaptive -> thinking on at `output_config.effort`; the plan
+  turns these into one effort (`turbospark.plan.reasoning_effort`). `output_config.effort`
   max -> high. `output_config.format` (or the older `output_format`) is a JSON-schema output.
 - Thinking blocks carry a signature: an HMAC of the thinking text under a per-process key,
   stable within one server process and opaque to the client.
-- Errors use Anthropic's envelope; a full admission queue is 529 overloaded_error with
-  Retry-After. Requests that carry `anthropic-version` also get this envelope on /v1/models.
+- Tool-use ids are the engine's call ids with Anthropic's `toolu_` prefix.
+- Errors use Anthropic's envelope (`api/envelopes.py`); a full admission queue is 529
+  overloaded_error with Retry-After.
 """
 
 from __future__ import annotations
@@ -32,9 +33,8 @@ import contextlib
 import hashlib
 import hmac
 import secrets
-from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
-from typing import Any, cast
+from collections.abc import AsyncIterator
+from typing import Any
 
 import orjson
 from starlette.requests import Request
@@ -42,18 +42,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from turbospark.api import fields as f
-from turbospark.api import openai
-from turbospark.api.common import (
-    Handler,
-    endpoint,
-    new_id,
-    prime,
-    read_json,
-    retry_headers,
-    sse_response,
-    state_of,
-    until_disconnect,
-)
+from turbospark.api.common import endpoint, new_id, read_json, sse_response, state_of
+from turbospark.api.envelopes import anthropic_error, anthropic_error_body
+from turbospark.api.kit import CollectedChoice, collect, sse_event, start_stream, tool_arguments
+from turbospark.api.parsing import parse_temperature_top_p
 from turbospark.backend import ReasoningEffort, RequestImage
 from turbospark.errors import ApiError, ErrorKind, invalid
 from turbospark.events import (
@@ -66,9 +58,7 @@ from turbospark.events import (
     ToolCallStart,
     Usage,
 )
-from turbospark.generate import run_choice, stream_choice
 from turbospark.plan import Plan, make_plan
-from turbospark.registry import ModelRegistry
 from turbospark.request import (
     ChatRequest,
     Message,
@@ -79,38 +69,6 @@ from turbospark.request import (
     ToolChoice,
     ToolChoiceMode,
 )
-
-# ---------------------------------------------------------------- errors
-
-_ERROR_TYPES = {
-    ErrorKind.INVALID_REQUEST: "invalid_request_error",
-    ErrorKind.AUTHENTICATION: "authentication_error",
-    ErrorKind.PERMISSION: "permission_error",
-    ErrorKind.NOT_FOUND: "not_found_error",
-    ErrorKind.TOO_LARGE: "request_too_large",
-    ErrorKind.OVERLOADED: "overloaded_error",
-    ErrorKind.UNAVAILABLE: "api_error",
-    ErrorKind.INTERNAL: "api_error",
-}
-OVERLOADED_STATUS = 529
-
-
-def error_body(exc: ApiError) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": _ERROR_TYPES[exc.kind], "message": exc.message}}
-
-
-def error_status(exc: ApiError) -> int:
-    return OVERLOADED_STATUS if exc.kind is ErrorKind.OVERLOADED else exc.status
-
-
-def render_error(exc: ApiError) -> Response:
-    return Response(
-        orjson.dumps(error_body(exc)),
-        status_code=error_status(exc),
-        media_type="application/json",
-        headers=retry_headers(exc),
-    )
-
 
 # ---------------------------------------------------------------- parsing
 
@@ -124,29 +82,6 @@ _EFFORTS = {
     "xhigh": ReasoningEffort.HIGH,
     "max": ReasoningEffort.HIGH,
 }
-
-
-@dataclass(slots=True)
-class Thinking:
-    """What the request asked of thinking, resolved to an effort once the backend is known."""
-
-    mode: str | None = None  # None (not sent), "enabled", "adaptive" or "disabled"
-    budget: int | None = None
-    effort: ReasoningEffort | None = None  # output_config.effort
-
-    def resolve(self, default: ReasoningEffort) -> ReasoningEffort | None:
-        if self.mode == "disabled":
-            return ReasoningEffort.OFF
-        if self.effort is not None:
-            return self.effort
-        if self.mode == "enabled":
-            assert self.budget is not None
-            if self.budget <= 1024:
-                return ReasoningEffort.LOW
-            return ReasoningEffort.MEDIUM if self.budget <= 4096 else ReasoningEffort.HIGH
-        if self.mode == "adaptive":
-            return default if default is not ReasoningEffort.OFF else ReasoningEffort.MEDIUM
-        return None  # not sent: the backend's default applies in the plan
 
 
 def _text_of_blocks(raw: Any, where: str, *, drop_attribution: bool = False) -> str:
@@ -312,25 +247,12 @@ def _assistant_message(content: Any, where: str, names: dict[str, str]) -> Messa
     return msg
 
 
-@dataclass(slots=True)
-class ParsedMessages:
-    messages: list[Message]
-    prefill: str | None = None  # a final assistant turn's text, which the reply continues
-
-
-def parse_messages(raw: Any, system: str | None) -> ParsedMessages:
-    if raw is None:
-        raise invalid("'messages' is required", "messages")
-    if not isinstance(raw, list):
-        raise invalid("'messages' must be an array", "messages")
-    if not raw:
-        raise invalid("'messages' must contain at least one message", "messages")
+def parse_messages(raw: Any, system: str | None) -> tuple[list[Message], str | None]:
+    """The messages, and the prefill: a final assistant turn's text, which the reply continues."""
     leading_system = [system] if system else []
     out: list[Message] = []
     names: dict[str, str] = {}  # tool_use id -> tool name, for the tool results that follow
-    for i, item in enumerate(raw):
-        where = f"messages[{i}]"
-        item = f.as_object(item, where)
+    for where, item in f.required_objects(raw, "messages", "message"):
         role = f.string(item, "role", f"{where}.role", required=True)
         content = item.get("content")
         if content is None:
@@ -351,7 +273,7 @@ def parse_messages(raw: Any, system: str | None) -> ParsedMessages:
             )
     if not out:
         raise invalid("'messages' must contain at least one user or assistant message", "messages")
-    parsed = ParsedMessages(out)
+    prefill = None
     last = out[-1]
     if last.role == "assistant":
         if last.tool_calls:
@@ -360,24 +282,18 @@ def parse_messages(raw: Any, system: str | None) -> ParsedMessages:
                 "message after it",
                 "messages",
             )
-        parsed.prefill = last.content or None  # an empty final turn asks for nothing
+        prefill = last.content or None  # an empty final turn asks for nothing
         out.pop()
         if not out:
             raise invalid("'messages' must start with a user message", "messages")
     if leading_system:
         out.insert(0, Message(role="system", content="\n\n".join(leading_system)))
-    return parsed
+    return out, prefill
 
 
 def parse_tools(raw: Any) -> list[Tool]:
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise invalid("'tools' must be an array", "tools")
     tools = []
-    for i, item in enumerate(raw):
-        where = f"tools[{i}]"
-        item = f.as_object(item, where)
+    for where, item in f.objects(raw, "tools"):
         kind = f.string(item, "type", f"{where}.type")
         name = f.string(item, "name", f"{where}.name", required=True) or ""
         if kind not in (None, "custom"):
@@ -398,7 +314,10 @@ def parse_tools(raw: Any) -> list[Tool]:
     return tools
 
 
-def parse_tool_choice(raw: Any, tools: list[Tool]) -> tuple[ToolChoice, bool]:
+_CHOICE_MODES = {"auto": ToolChoiceMode.AUTO, "none": ToolChoiceMode.NONE, "any": ToolChoiceMode.REQUIRED}
+
+
+def parse_tool_choice(raw: Any) -> tuple[ToolChoice, bool]:
     """The choice, and whether parallel tool calls are allowed."""
     if raw is None:
         return ToolChoice(), True
@@ -407,35 +326,16 @@ def parse_tool_choice(raw: Any, tools: list[Tool]) -> tuple[ToolChoice, bool]:
     parallel = not f.boolean(
         body, "disable_parallel_tool_use", False, "tool_choice.disable_parallel_tool_use"
     )
-    if kind == "auto":
-        return ToolChoice(ToolChoiceMode.AUTO), parallel
-    if kind == "none":
-        return ToolChoice(ToolChoiceMode.NONE), parallel
-    if not tools:
-        raise invalid(f"'tool_choice.type' is {kind!r} but the request has no tools", "tool_choice")
-    if kind == "any":
-        return ToolChoice(ToolChoiceMode.REQUIRED), parallel
+    if kind in _CHOICE_MODES:
+        return ToolChoice(_CHOICE_MODES[kind], where="tool_choice.type", as_written=kind), parallel
     if kind == "tool":
-        name = f.string(body, "name", "tool_choice.name", required=True)
-        if name not in {t.name for t in tools}:
-            raise invalid(f"'tool_choice.name' {name!r} is not one of 'tools'", "tool_choice.name")
-        return ToolChoice(ToolChoiceMode.NAMED, name), parallel
+        name = f.string(body, "name", "tool_choice.name", required=True) or ""
+        return ToolChoice(ToolChoiceMode.NAMED, name, where="tool_choice.name", as_written=name), parallel
     raise invalid(f"'tool_choice.type' must be auto, any, tool or none, got {kind!r}", "tool_choice.type")
 
 
-def parse_thinking(body: dict[str, Any]) -> Thinking:
-    spec = Thinking()
-    raw = f.obj(body, "thinking")
-    if raw is not None:
-        spec.mode = f.string(raw, "type", "thinking.type", required=True)
-        if spec.mode not in ("enabled", "disabled", "adaptive"):
-            raise invalid(
-                f"'thinking.type' must be enabled, adaptive or disabled, got {spec.mode!r}", "thinking.type"
-            )
-        if spec.mode == "enabled":
-            spec.budget = f.integer(raw, "budget_tokens", "thinking.budget_tokens", minimum=1)
-            if spec.budget is None:
-                raise invalid("'thinking.budget_tokens' is required when thinking is enabled", "thinking")
+def parse_thinking(body: dict[str, Any], chat: ChatRequest) -> None:
+    """`thinking` and `output_config.effort` onto the request (the plan resolves the effort)."""
     config = f.obj(body, "output_config") or {}
     effort = config.get("effort")
     if effort is not None:
@@ -444,8 +344,21 @@ def parse_thinking(body: dict[str, Any]) -> Thinking:
                 f"'output_config.effort' must be one of {', '.join(_EFFORTS)}, got {effort!r}",
                 "output_config.effort",
             )
-        spec.effort = _EFFORTS[effort]
-    return spec
+        chat.reasoning_effort = _EFFORTS[effort]
+    raw = f.obj(body, "thinking")
+    if raw is None:
+        return
+    mode = f.string(raw, "type", "thinking.type", required=True)
+    if mode not in ("enabled", "disabled", "adaptive"):
+        raise invalid(f"'thinking.type' must be enabled, adaptive or disabled, got {mode!r}", "thinking.type")
+    if mode == "disabled":
+        chat.reasoning_effort = ReasoningEffort.OFF
+        return
+    chat.thinking_on = True
+    if mode == "enabled":
+        chat.thinking_budget = f.integer(raw, "budget_tokens", "thinking.budget_tokens", minimum=1)
+        if chat.thinking_budget is None:
+            raise invalid("'thinking.budget_tokens' is required when thinking is enabled", "thinking")
 
 
 def parse_output_format(body: dict[str, Any]) -> ResponseFormat | None:
@@ -466,11 +379,7 @@ def parse_output_format(body: dict[str, Any]) -> ResponseFormat | None:
 
 
 def parse_sampling(body: dict[str, Any]) -> SamplingParams:
-    sp = SamplingParams()
-    temperature = f.number(body, "temperature", minimum=0.0, maximum=1.0)
-    sp.temperature = 1.0 if temperature is None else temperature
-    top_p = f.number(body, "top_p", minimum=0.0, maximum=1.0)
-    sp.top_p = 1.0 if top_p is None else top_p
+    sp = parse_temperature_top_p(body, max_temperature=1.0)
     sp.top_k = f.integer(body, "top_k", minimum=0) or 0
     return sp
 
@@ -483,14 +392,7 @@ def _stop_sequences(body: dict[str, Any]) -> list[str]:
     return list(raw)
 
 
-@dataclass(slots=True)
-class MessagesRequest:
-    chat: ChatRequest
-    thinking: Thinking
-    prefill: str | None
-
-
-def parse_messages_request(body: dict[str, Any], *, count_only: bool = False) -> MessagesRequest:
+def parse_messages_request(body: dict[str, Any], *, count_only: bool = False) -> ChatRequest:
     """A /v1/messages body (or a count_tokens body, which has no max_tokens) as a ChatRequest."""
     model = f.string(body, "model", required=True) or ""
     max_tokens = None
@@ -500,13 +402,12 @@ def parse_messages_request(body: dict[str, Any], *, count_only: bool = False) ->
             raise invalid("'max_tokens' is required", "max_tokens")
     raw_system = body.get("system")
     system = None if raw_system is None else _text_of_blocks(raw_system, "system", drop_attribution=True)
-    parsed = parse_messages(body.get("messages"), system)
-    tools = parse_tools(body.get("tools"))
-    choice, parallel = parse_tool_choice(body.get("tool_choice"), tools)
+    messages, prefill = parse_messages(body.get("messages"), system)
+    choice, parallel = parse_tool_choice(body.get("tool_choice"))
     chat = ChatRequest(
         model=model,
-        messages=parsed.messages,
-        tools=[] if choice.mode is ToolChoiceMode.NONE else tools,
+        messages=messages,
+        tools=parse_tools(body.get("tools")),
         tool_choice=choice,
         parallel_tool_calls=parallel,
         response_format=parse_output_format(body),
@@ -514,45 +415,11 @@ def parse_messages_request(body: dict[str, Any], *, count_only: bool = False) ->
         max_tokens=max_tokens,
         stop=[] if count_only else _stop_sequences(body),
         stream=False if count_only else f.boolean(body, "stream", False),
+        prefill=prefill,
     )
     f.obj(body, "metadata")  # accepted, unused; still must be an object
-    thinking = parse_thinking(body)
-    if parsed.prefill is not None and thinking.mode in ("enabled", "adaptive"):
-        raise invalid(
-            "a final assistant message (prefill) cannot be combined with thinking; disable thinking or "
-            "end with a user message",
-            "messages",
-        )
-    return MessagesRequest(chat, thinking, parsed.prefill)
-
-
-def plan_messages(parsed: MessagesRequest, registry: ModelRegistry) -> Plan:
-    chat = parsed.chat
-    backend = registry.resolve(chat.model)
-    chat.reasoning_effort = parsed.thinking.resolve(backend.default_reasoning())
-    chat.thinking_budget = parsed.thinking.budget
-    if parsed.prefill is not None:
-        chat.reasoning_effort = ReasoningEffort.OFF  # a prefill must not land inside a think block
-    plan = make_plan(chat, registry)
-    if parsed.prefill is not None:
-        _apply_prefill(plan, parsed.prefill)
-    return plan
-
-
-def _apply_prefill(plan: Plan, prefill: str) -> None:
-    """Appends the assistant's prefill after the generation prompt; the reply continues it."""
-    backend = plan.backend
-    plan.prompt_text += prefill
-    plan.prompt_ids = backend.tokenizer.encode(plan.prompt_text, add_special_tokens=False)
-    plan.start_in_reasoning = False
-    room = backend.max_context - len(plan.prompt_ids)
-    if room < 1:
-        raise invalid(
-            f"the prompt is {len(plan.prompt_ids)} tokens, which does not fit model {backend.model_id!r}'s "
-            f"context of {backend.max_context} tokens",
-            "messages",
-        )
-    plan.config.max_new_tokens = min(plan.config.max_new_tokens, room)
+    parse_thinking(body, chat)
+    return chat
 
 
 # ---------------------------------------------------------------- rendering
@@ -566,7 +433,7 @@ def thinking_signature(thinking: str) -> str:
 
 
 def tool_use_id(call_id: str) -> str:
-    return "toolu_" + call_id.removeprefix("call_")
+    return "toolu_" + call_id
 
 
 def stop_reason(finish: Finish) -> str:
@@ -590,63 +457,48 @@ def usage_dict(usage: Usage) -> dict[str, Any]:
 
 
 def _tool_input(arguments: str) -> dict[str, Any]:
-    try:
-        value = orjson.loads(arguments or "{}")
-    except orjson.JSONDecodeError:
-        value = None
-    if not isinstance(value, dict):
+    value = tool_arguments(arguments)
+    if value is None:
         raise ApiError(
             ErrorKind.INTERNAL, f"the model's tool call arguments are not a JSON object: {arguments!r}"
         )
     return value
 
 
-def content_blocks(events: list[Event]) -> list[dict[str, Any]]:
-    """One choice's events as the content blocks of a non-streaming message."""
+def content_blocks(choice: CollectedChoice) -> list[dict[str, Any]]:
+    """One choice as the content blocks of a non-streaming message."""
     blocks: list[dict[str, Any]] = []
-    arguments: dict[int, list[str]] = {}  # tool call index -> its argument fragments
-    calls: dict[int, dict[str, Any]] = {}  # tool call index -> its block
-    for event in events:
-        kind = blocks[-1]["type"] if blocks else None
-        if isinstance(event, ReasoningDelta):
-            if kind != "thinking":
-                blocks.append({"type": "thinking", "thinking": "", "signature": ""})
-            blocks[-1]["thinking"] += event.text
-        elif isinstance(event, TextDelta) and event.text:
-            if kind != "text":
-                blocks.append({"type": "text", "text": ""})
-            blocks[-1]["text"] += event.text
-        elif isinstance(event, ToolCallStart):
-            calls[event.index] = {"type": "tool_use", "id": tool_use_id(event.id), "name": event.name}
-            arguments[event.index] = []
-            blocks.append(calls[event.index])
-        elif isinstance(event, ToolCallArgs):
-            arguments[event.index].append(event.delta)
-    for block in blocks:
-        if block["type"] == "thinking":
-            block["signature"] = thinking_signature(block["thinking"])
-    for index, block in calls.items():
-        block["input"] = _tool_input("".join(arguments[index]))
+    for segment in choice.segments:
+        if segment.kind == "reasoning":
+            signature = thinking_signature(segment.text)
+            blocks.append({"type": "thinking", "thinking": segment.text, "signature": signature})
+        elif segment.kind == "text":
+            blocks.append({"type": "text", "text": segment.text})
+        else:
+            assert segment.call is not None
+            call = segment.call
+            blocks.append(
+                {
+                    "type": "tool_use",
+                    "id": tool_use_id(call.id),
+                    "name": call.name,
+                    "input": _tool_input(call.arguments),
+                }
+            )
     return blocks
 
 
-def message_object(ident: str, model: str, events: list[Event]) -> dict[str, Any]:
-    finish = events[-1]
-    assert isinstance(finish, Finish)
+def message_object(ident: str, model: str, choice: CollectedChoice) -> dict[str, Any]:
     return {
         "id": ident,
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": content_blocks(events),
-        "stop_reason": stop_reason(finish),
-        "stop_sequence": finish.stop_sequence,
-        "usage": usage_dict(finish.usage),
+        "content": content_blocks(choice),
+        "stop_reason": stop_reason(choice.finish),
+        "stop_sequence": choice.finish.stop_sequence,
+        "usage": usage_dict(choice.finish.usage),
     }
-
-
-def sse_event(kind: str, data: dict[str, Any]) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
 PING = sse_event("ping", {"type": "ping"})
@@ -722,15 +574,14 @@ class StreamWriter:
 
 async def messages(request: Request) -> Response:
     body = await read_json(request)
-    parsed = parse_messages_request(body)
+    chat = parse_messages_request(body)
     state = state_of(request)
-    plan = plan_messages(parsed, state.registry)
-    chat = plan.request
+    plan = make_plan(chat, state.registry)
     ident = new_id("msg_")
     if chat.stream:
         return await _stream_message(request, plan, ident, state.ping_interval)
-    events = await until_disconnect(request, run_choice(plan))
-    return Response(orjson.dumps(message_object(ident, chat.model, events)), media_type="application/json")
+    (choice,) = await collect(request, plan)
+    return Response(orjson.dumps(message_object(ident, chat.model, choice)), media_type="application/json")
 
 
 async def _stream_message(request: Request, plan: Plan, ident: str, ping_interval: float) -> Response:
@@ -738,8 +589,7 @@ async def _stream_message(request: Request, plan: Plan, ident: str, ping_interva
     # An error before the first event (a full queue, a prompt the backend refuses) is still a
     # plain HTTP error; anything after the stream started is an `event: error` frame. The first
     # event comes within one ping interval even while the request waits in line.
-    stream = cast(AsyncGenerator[Event, None], stream_choice(plan, 0, ping_interval))
-    first, events = await prime(request, stream)
+    events = await start_stream(request, plan, ping_interval)
 
     start = {
         "type": "message_start",
@@ -765,14 +615,11 @@ async def _stream_message(request: Request, plan: Plan, ident: str, ping_interva
         yield sse_event("message_start", start)
         yield PING
         try:
-            if first is not None:
-                for frame in writer.feed(first):
-                    yield frame
             async for event in events:
                 for frame in writer.feed(event):
                     yield frame
         except ApiError as exc:
-            yield sse_event("error", error_body(exc))
+            yield sse_event("error", anthropic_error_body(exc))
         finally:
             with contextlib.suppress(BaseException):  # torn down on disconnect: stop generating
                 await events.aclose()
@@ -782,31 +629,13 @@ async def _stream_message(request: Request, plan: Plan, ident: str, ping_interva
 
 async def count_tokens(request: Request) -> Response:
     body = await read_json(request)
-    parsed = parse_messages_request(body, count_only=True)
-    plan = plan_messages(parsed, state_of(request).registry)
+    plan = make_plan(parse_messages_request(body, count_only=True), state_of(request).registry)
     return Response(orjson.dumps({"input_tokens": len(plan.prompt_ids)}), media_type="application/json")
 
 
-def _by_dialect(handler: Handler) -> Handler:
-    """A shared route that answers errors in Anthropic's envelope to callers that speak it."""
-    as_anthropic = endpoint(render_error)(handler)
-    as_openai = endpoint(openai.render_error)(handler)
-
-    async def run(request: Request) -> Response:
-        if "anthropic-version" in request.headers:
-            return await as_anthropic(request)
-        return await as_openai(request)
-
-    run.__name__ = handler.__name__
-    return run
-
-
 def routes() -> list[Route]:
-    """Mount before the OpenAI routes: /v1/models is shared, with the envelope chosen per caller."""
-    wrap = endpoint(render_error)
+    wrap = endpoint(anthropic_error)
     return [
         Route("/v1/messages", wrap(messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", wrap(count_tokens), methods=["POST"]),
-        Route("/v1/models", _by_dialect(openai.list_models), methods=["GET"]),
-        Route("/v1/models/{model_id:path}", _by_dialect(openai.get_model), methods=["GET"]),
     ]

@@ -26,7 +26,6 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from turbospark.api.fields import parse_json_object
-from turbospark.backend import ChatModel
 from turbospark.errors import ApiError, ErrorKind
 from turbospark.registry import ModelRegistry
 
@@ -88,15 +87,6 @@ class ServerState:
 def state_of(request: Request) -> ServerState:
     server: ServerState = request.app.state.server
     return server
-
-
-def model_kinds(backend: ChatModel) -> list[str]:
-    """What a model serves, for the model listings: "completion" and/or "embedding". A backend
-    may declare it (`capabilities`, as the embedding backend does); else it follows the protocol."""
-    declared = getattr(backend, "capabilities", None)
-    if declared is not None:
-        return list(declared)
-    return ["completion", "embedding"] if backend.supports_embeddings() else ["completion"]
 
 
 def check_auth(request: Request) -> None:
@@ -216,19 +206,6 @@ async def until_shutdown(request: Request, events: AsyncIterator[T]) -> AsyncGen
         if close is not None:
             with contextlib.suppress(BaseException):  # stops the generation behind it
                 await close()
-
-
-async def prime(request: Request, stream: AsyncIterator[T]) -> tuple[T | None, AsyncGenerator[T, None]]:
-    """Waits for a stream's first item, so errors before it become a plain HTTP error reply.
-
-    What it returns is bounded by the server's shutdown (`until_shutdown`).
-    """
-    guarded = until_shutdown(request, stream)
-    try:
-        first = await anext(guarded)
-    except StopAsyncIteration:
-        return None, guarded
-    return first, guarded
 
 
 def sse_response(body: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> StreamingResponse:

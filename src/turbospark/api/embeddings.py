@@ -37,7 +37,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from turbospark.api import fields as f
-from turbospark.api.common import endpoint, read_json, retry_headers, state_of, until_disconnect
+from turbospark.api.common import endpoint, read_json, state_of, until_disconnect
+from turbospark.api.envelopes import ollama_error, openai_error
 from turbospark.backend import BackendError, ChatModel
 from turbospark.errors import ApiError, ErrorKind, invalid
 
@@ -57,38 +58,12 @@ class BatchEmbedder(Protocol):
     ) -> Future[Any]: ...
 
 
-# ---------------------------------------------------------------- error envelopes
-
-_OPENAI_TYPES = {
-    ErrorKind.AUTHENTICATION: "authentication_error",
-    ErrorKind.PERMISSION: "permission_error",
-    ErrorKind.OVERLOADED: "rate_limit_error",
-    ErrorKind.UNAVAILABLE: "server_error",
-    ErrorKind.INTERNAL: "server_error",
-}
-_OPENAI_CODES = {ErrorKind.NOT_FOUND: "model_not_found", ErrorKind.AUTHENTICATION: "invalid_api_key"}
-
-
-def render_openai_error(exc: ApiError) -> Response:
-    error = {
-        "message": exc.message,
-        "type": _OPENAI_TYPES.get(exc.kind, "invalid_request_error"),
-        "param": exc.param,
-        "code": _OPENAI_CODES.get(exc.kind),
-    }
-    return JSONResponse({"error": error}, status_code=exc.status, headers=retry_headers(exc))
-
-
-def render_ollama_error(exc: ApiError) -> Response:
-    return JSONResponse({"error": exc.message}, status_code=exc.status, headers=retry_headers(exc))
-
-
 # ---------------------------------------------------------------- shared
 
 
 def embedding_backend(request: Request, name: str) -> ChatModel:
     registry = state_of(request).registry
-    backend = registry.resolve(name)
+    backend = registry.resolve(name).backend
     if not backend.supports_embeddings():
         able = sorted(b.model_id for b in registry.backends() if b.supports_embeddings())
         served = f"; this server embeds with: {', '.join(able)}" if able else "; no model served here embeds"
@@ -273,8 +248,8 @@ async def ollama_embeddings(request: Request) -> Response:
 
 
 def routes() -> list[Route]:
-    openai_route = endpoint(render_openai_error)
-    ollama_route = endpoint(render_ollama_error)
+    openai_route = endpoint(openai_error)
+    ollama_route = endpoint(ollama_error)
     return [
         Route("/v1/embeddings", openai_route(openai_embeddings), methods=["POST"]),
         Route("/api/embed", ollama_route(ollama_embed), methods=["POST"]),

@@ -92,11 +92,18 @@ def integer(
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise invalid(f"'{where}' must be an integer, not {_kind(value)}", where)
-    if minimum is not None and value < minimum:
-        raise invalid(f"'{where}' must be at least {minimum}, got {value}", where)
-    if maximum is not None and value > maximum:
-        raise invalid(f"'{where}' must be at most {maximum}, got {value}", where)
+    _check_range(value, where, minimum, maximum)
     return value
+
+
+def _check_range(value: float, where: str, minimum: float | None, maximum: float | None) -> None:
+    def show(v: float) -> str:
+        return f"{v:g}" if isinstance(v, float) else str(v)
+
+    if minimum is not None and value < minimum:
+        raise invalid(f"'{where}' must be at least {show(minimum)}, got {show(value)}", where)
+    if maximum is not None and value > maximum:
+        raise invalid(f"'{where}' must be at most {show(maximum)}, got {show(value)}", where)
 
 
 def number(
@@ -116,10 +123,7 @@ def number(
     value = float(value)
     if value != value:
         raise invalid(f"'{where}' must be a number, not NaN", where)
-    if minimum is not None and value < minimum:
-        raise invalid(f"'{where}' must be at least {minimum:g}, got {value:g}", where)
-    if maximum is not None and value > maximum:
-        raise invalid(f"'{where}' must be at most {maximum:g}, got {value:g}", where)
+    _check_range(value, where, minimum, maximum)
     return value
 
 
@@ -149,6 +153,25 @@ def obj(
     if not isinstance(value, dict):
         raise invalid(f"'{where}' must be an object, not {_kind(value)}", where)
     return value
+
+
+def objects(value: Any, where: str) -> list[tuple[str, dict[str, Any]]]:
+    """An array of objects, each with its path (`tools[2]`); an absent array is empty."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise invalid(f"'{where}' must be an array, not {_kind(value)}", where)
+    return [(f"{where}[{i}]", as_object(item, f"{where}[{i}]")) for i, item in enumerate(value)]
+
+
+def required_objects(value: Any, where: str, what: str) -> list[tuple[str, dict[str, Any]]]:
+    """`objects` for an array that must be there and hold at least one `what`."""
+    if value is None:
+        raise invalid(f"'{where}' is required", where)
+    items = objects(value, where)
+    if not items:
+        raise invalid(f"'{where}' must contain at least one {what}", where)
+    return items
 
 
 def as_object(value: Any, where: str) -> dict[str, Any]:

@@ -28,49 +28,35 @@ from typing import Any
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from turbospark.api import fields as f
-from turbospark.api.common import (
-    endpoint,
-    model_kinds,
-    prime,
-    read_json,
-    retry_headers,
-    state_of,
-    until_disconnect,
+from turbospark.api.common import endpoint, read_json, state_of
+from turbospark.api.envelopes import ollama_error, ollama_error_body
+from turbospark.api.kit import (
+    NDJSON,
+    collect,
+    logprob_entries,
+    ndjson_line,
+    ndjson_response,
+    start_stream,
+    tool_arguments,
 )
-from turbospark.api.openai import parse_tools
+from turbospark.api.parsing import parse_function_tools, parse_tool_calls
 from turbospark.backend import ChatModel, ReasoningEffort
 from turbospark.chat_template import CHATML_TEMPLATE
 from turbospark.errors import ApiError, invalid
-from turbospark.events import (
-    Event,
-    Finish,
-    ReasoningDelta,
-    TextDelta,
-    TokenLogprob,
-    ToolCallArgs,
-    ToolCallStart,
-)
-from turbospark.generate import run_choice, stream_choice
+from turbospark.events import Finish, ReasoningDelta, TextDelta, TokenLogprob, ToolCallArgs, ToolCallStart
 from turbospark.plan import Plan, make_plan
+from turbospark.registry import model_kinds
 from turbospark.request import ChatRequest, Message, ResponseFormat, SamplingParams, ToolCall
 
 # The Ollama API level this server answers as on /api/version: tools that gate features on the
 # server version (thinking, tool calls, structured outputs) see one that has them all.
 OLLAMA_API_VERSION = "0.13.0"
 
-NDJSON = "application/x-ndjson"
-
-
-def render_error(exc: ApiError) -> Response:
-    return JSONResponse({"error": exc.message}, status_code=exc.status, headers=retry_headers(exc))
-
-
-def _error_line(exc: ApiError) -> bytes:
-    return orjson.dumps({"error": exc.message}) + b"\n"
+CALL_PREFIX = "call_"
 
 
 def created_at() -> str:
@@ -201,46 +187,12 @@ def _images(raw: Any, where: str) -> list[Any]:
     return out
 
 
-def _tool_calls(raw: Any, where: str) -> list[ToolCall]:
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise invalid(f"'{where}' must be an array", where)
-    calls = []
-    for i, item in enumerate(raw):
-        iw = f"{where}[{i}]"
-        item = f.as_object(item, iw)
-        fn = f.obj(item, "function", f"{iw}.function", required=True) or {}
-        name = f.string(fn, "name", f"{iw}.function.name", required=True) or ""
-        args = fn.get("arguments")
-        if args is None:
-            args = {}
-        elif isinstance(args, str):  # some clients send the OpenAI-style string; accept it
-            try:
-                args = orjson.loads(args) if args.strip() else {}
-            except orjson.JSONDecodeError as exc:
-                raise invalid(
-                    f"'{iw}.function.arguments' is not valid JSON: {exc}", f"{iw}.function"
-                ) from exc
-        if not isinstance(args, dict):
-            raise invalid(f"'{iw}.function.arguments' must be an object", f"{iw}.function.arguments")
-        call_id = f.string(item, "id", f"{iw}.id") or f"call_{i}"
-        calls.append(ToolCall(id=call_id, name=name, arguments=orjson.dumps(args).decode()))
-    return calls
-
-
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def parse_messages(raw: Any) -> list[Message]:
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise invalid("'messages' must be an array", "messages")
     out = []
-    for i, item in enumerate(raw):
-        where = f"messages[{i}]"
-        item = f.as_object(item, where)
+    for where, item in f.objects(raw, "messages"):
         role = f.string(item, "role", f"{where}.role", required=True)
         if role not in _ROLES:
             raise invalid(f"'{where}.role' must be one of {', '.join(_ROLES)}, got {role!r}", f"{where}.role")
@@ -248,7 +200,10 @@ def parse_messages(raw: Any) -> list[Message]:
         msg.content = f.string(item, "content", f"{where}.content") or ""
         msg.images = _images(item.get("images"), f"{where}.images")
         if role == "assistant":
-            msg.tool_calls = _tool_calls(item.get("tool_calls"), f"{where}.tool_calls")
+            # Ollama's history has no call ids: number the calls, as Ollama does.
+            msg.tool_calls = parse_tool_calls(
+                item.get("tool_calls"), f"{where}.tool_calls", lambda i: f"call_{i}"
+            )
             msg.reasoning = f.string(item, "thinking", f"{where}.thinking") or None
         if role == "tool":
             msg.name = f.string(item, "tool_name", f"{where}.tool_name")
@@ -279,25 +234,30 @@ def _link_tool_results(messages: list[Message]) -> None:
                 msg.name = msg.name or match.name
 
 
-def parse_chat_request(body: dict[str, Any]) -> tuple[ChatRequest, float | None]:
-    model = f.string(body, "model", required=True) or ""
+def _generation_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """What /api/chat and /api/generate share, as `ChatRequest` keyword arguments."""
     sampling, max_tokens, stop = parse_options(body)
+    return {
+        "model": f.string(body, "model", required=True) or "",
+        "response_format": parse_format(body.get("format")),
+        "sampling": sampling,
+        "max_tokens": max_tokens,
+        "stop": stop,
+        "stream": f.boolean(body, "stream", True),
+        "reasoning_effort": parse_think(body.get("think")),
+    }
+
+
+def parse_chat_request(body: dict[str, Any]) -> tuple[ChatRequest, float | None]:
     request = ChatRequest(
-        model=model,
         messages=parse_messages(body.get("messages")),
-        tools=parse_tools(body.get("tools")),
-        response_format=parse_format(body.get("format")),
-        sampling=sampling,
-        max_tokens=max_tokens,
-        stop=stop,
-        stream=f.boolean(body, "stream", True),
-        reasoning_effort=parse_think(body.get("think")),
+        tools=parse_function_tools(body.get("tools"), nested=True),
+        **_generation_fields(body),
     )
     return request, parse_keep_alive(body.get("keep_alive"))
 
 
 def parse_generate_request(body: dict[str, Any]) -> tuple[ChatRequest, float | None]:
-    model = f.string(body, "model", required=True) or ""
     prompt = f.string(body, "prompt") or ""
     system = f.string(body, "system")
     raw = f.boolean(body, "raw", False)
@@ -316,17 +276,7 @@ def parse_generate_request(body: dict[str, Any]) -> tuple[ChatRequest, float | N
             "context",
         )
     images = _images(body.get("images"), "images")
-    sampling, max_tokens, stop = parse_options(body)
-    request = ChatRequest(
-        model=model,
-        messages=[],
-        response_format=parse_format(body.get("format")),
-        sampling=sampling,
-        max_tokens=max_tokens,
-        stop=stop,
-        stream=f.boolean(body, "stream", True),
-        reasoning_effort=parse_think(body.get("think")),
-    )
+    request = ChatRequest(messages=[], **_generation_fields(body))
     if raw:
         if images:
             raise invalid("'images' cannot be sent with raw: true; send them without raw", "images")
@@ -366,28 +316,18 @@ def timings(finish: Finish, started: float) -> dict[str, Any]:
     }
 
 
-def _logprobs(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
-    return [
-        {
-            "token": e.token,
-            "logprob": e.logprob,
-            "bytes": list(e.token.encode()),
-            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, _, v in e.top],
-        }
-        for e in entries
-    ]
-
-
 def _call_dict(index: int, call_id: str, name: str, arguments: str) -> dict[str, Any]:
-    try:
-        args = orjson.loads(arguments) if arguments.strip() else {}
-    except orjson.JSONDecodeError:
-        args = None
-    if not isinstance(args, dict):
-        # Tool parsers only emit object arguments; this guards the one contract Ollama clients
-        # validate (an object), should a parser ever hand over something else.
-        args = {"arguments": arguments}
-    return {"id": call_id, "function": {"index": index, "name": name, "arguments": args}}
+    # Tool parsers only emit object arguments; this guards the one contract Ollama clients
+    # validate (an object), should a parser ever hand over something else.
+    args = tool_arguments(arguments)
+    return {
+        "id": CALL_PREFIX + call_id,
+        "function": {
+            "index": index,
+            "name": name,
+            "arguments": {"arguments": arguments} if args is None else args,
+        },
+    }
 
 
 class _Calls:
@@ -439,6 +379,31 @@ def _respond(reply: dict[str, Any], stream: bool) -> Response:
     )
 
 
+def _reply(
+    model: str,
+    chat_api: bool,
+    content: str = "",
+    thinking: str | None = None,
+    calls: list[dict[str, Any]] | None = None,
+    logprobs: list[TokenLogprob] | None = None,
+) -> dict[str, Any]:
+    """One reply object (a whole reply, or one line of a stream), `done` still to be set."""
+    reply: dict[str, Any] = {"model": model, "created_at": created_at()}
+    if chat_api:
+        reply["message"] = _chat_message(content, thinking, calls)
+    else:
+        reply["response"] = content
+        if thinking:
+            reply["thinking"] = thinking
+    if logprobs is not None:
+        reply["logprobs"] = logprob_entries(logprobs)
+    return reply
+
+
+def _done(reply: dict[str, Any], finish: Finish, started: float) -> dict[str, Any]:
+    return reply | {"done": True, "done_reason": done_reason(finish), **timings(finish, started)}
+
+
 async def _generate(request: Request, chat_api: bool) -> Response:
     started = time.perf_counter()
     body = await read_json(request)
@@ -452,72 +417,27 @@ async def _generate(request: Request, chat_api: bool) -> Response:
     if chat.stream:
         return await _stream(request, plan, started, chat_api)
 
-    events = await until_disconnect(request, run_choice(plan))
-    text: list[str] = []
-    thinking: list[str] = []
-    calls = _Calls()
-    logprobs: list[TokenLogprob] = []
-    finish: Finish | None = None
-    for event in events:
-        if isinstance(event, TextDelta):
-            text.append(event.text)
-            logprobs.extend(event.logprobs or [])
-        elif isinstance(event, ReasoningDelta):
-            thinking.append(event.text)
-        elif isinstance(event, ToolCallStart | ToolCallArgs):
-            calls.add(event)
-        elif isinstance(event, Finish):
-            finish = event
-    assert finish is not None
-    reply: dict[str, Any] = {"model": chat.model, "created_at": created_at()}
-    if chat_api:
-        reply["message"] = _chat_message("".join(text), "".join(thinking), calls.take())
-    else:
-        reply["response"] = "".join(text)
-        if thinking:
-            reply["thinking"] = "".join(thinking)
-    if chat.sampling.logprobs:
-        reply["logprobs"] = _logprobs(logprobs)
-    reply |= {"done": True, "done_reason": done_reason(finish), **timings(finish, started)}
-    return Response(orjson.dumps(reply), media_type="application/json")
+    (choice,) = await collect(request, plan)
+    calls = [_call_dict(i, c.id, c.name, c.arguments) for i, c in enumerate(choice.calls)]
+    logprobs = choice.logprobs if chat.sampling.logprobs else None
+    reply = _reply(chat.model, chat_api, choice.text, choice.reasoning, calls, logprobs)
+    return Response(orjson.dumps(_done(reply, choice.finish, started)), media_type="application/json")
 
 
 async def _stream(request: Request, plan: Plan, started: float, chat_api: bool) -> Response:
-    chat = plan.request
-    model = chat.model
-    first, events = await prime(request, stream_choice(plan, 0))
+    model = plan.request.model
+    events = await start_stream(request, plan)
 
-    def line(
-        content: str = "",
-        thinking: str | None = None,
-        calls: list[dict[str, Any]] | None = None,
-        logprobs: list[TokenLogprob] | None = None,
-    ) -> bytes:
-        reply: dict[str, Any] = {"model": model, "created_at": created_at()}
-        if chat_api:
-            reply["message"] = _chat_message(content, thinking, calls)
-        else:
-            reply["response"] = content
-            if thinking:
-                reply["thinking"] = thinking
-        if logprobs:
-            reply["logprobs"] = _logprobs(logprobs)
-        reply["done"] = False
-        return orjson.dumps(reply) + b"\n"
-
-    async def all_events() -> AsyncIterator[Event]:
-        if first is not None:
-            yield first
-        async for event in events:
-            yield event
+    def line(**parts: Any) -> bytes:
+        return ndjson_line(_reply(model, chat_api, **parts) | {"done": False})
 
     async def body() -> AsyncIterator[bytes]:
         calls = _Calls()
         try:
-            async for event in all_events():
+            async for event in events:
                 if isinstance(event, TextDelta):
                     if event.text or event.logprobs:
-                        yield line(event.text, logprobs=event.logprobs)
+                        yield line(content=event.text, logprobs=event.logprobs or None)
                 elif isinstance(event, ReasoningDelta):
                     yield line(thinking=event.text)
                 elif isinstance(event, ToolCallStart):
@@ -529,17 +449,11 @@ async def _stream(request: Request, plan: Plan, started: float, chat_api: bool) 
                 elif isinstance(event, Finish):
                     if calls.pending:
                         yield line(calls=calls.take())
-                    final: dict[str, Any] = {"model": model, "created_at": created_at()}
-                    if chat_api:
-                        final["message"] = {"role": "assistant", "content": ""}
-                    else:
-                        final["response"] = ""
-                    final |= {"done": True, "done_reason": done_reason(event), **timings(event, started)}
-                    yield orjson.dumps(final) + b"\n"
+                    yield ndjson_line(_done(_reply(model, chat_api), event, started))
         except ApiError as exc:
-            yield _error_line(exc)
+            yield ndjson_line(ollama_error_body(exc))
 
-    return StreamingResponse(body(), media_type=NDJSON)
+    return ndjson_response(body())
 
 
 async def chat(request: Request) -> Response:
@@ -572,21 +486,16 @@ def _parameter_size(num: int) -> str:
 
 
 def model_details(backend: ChatModel) -> dict[str, Any]:
-    """Ollama's `details`. Backends may describe themselves with optional attributes:
-    `family`, `num_parameters`, `file_format`, `quantization` (all else is left empty)."""
-    family = str(getattr(backend, "family", "") or "")
+    """Ollama's `details`, from the backend's `ModelDetails` (unknown facts are left empty)."""
+    facts = backend.details()
     return {
         "parent_model": "",
-        "format": str(getattr(backend, "file_format", "") or ""),
-        "family": family,
-        "families": [family] if family else None,
-        "parameter_size": _parameter_size(int(getattr(backend, "num_parameters", 0) or 0)),
-        "quantization_level": str(getattr(backend, "quantization", "") or ""),
+        "format": facts.format,
+        "family": facts.family,
+        "families": [facts.family] if facts.family else None,
+        "parameter_size": _parameter_size(facts.num_parameters),
+        "quantization_level": facts.quantization,
     }
-
-
-def _size(backend: ChatModel) -> int:
-    return int(getattr(backend, "size_bytes", 0) or 0)
 
 
 def _digest(model_id: str) -> str:
@@ -610,19 +519,23 @@ def capabilities(backend: ChatModel) -> list[str]:
     return caps
 
 
+def _listing(backend: ChatModel) -> dict[str, Any]:
+    """The fields /api/tags and /api/ps both list for a model."""
+    name = ollama_name(backend.model_id)
+    return {
+        "name": name,
+        "model": name,
+        "size": backend.details().size_bytes,
+        "digest": _digest(backend.model_id),
+        "details": model_details(backend),
+    }
+
+
 async def tags(request: Request) -> Response:
     registry = state_of(request).registry
+    modified = _rfc3339(registry.created)
     models = [
-        {
-            "name": ollama_name(b.model_id),
-            "model": ollama_name(b.model_id),
-            "modified_at": _rfc3339(registry.created),
-            "size": _size(b),
-            "digest": _digest(b.model_id),
-            "details": model_details(b),
-            "capabilities": capabilities(b),
-        }
-        for b in registry.backends()
+        _listing(b) | {"modified_at": modified, "capabilities": capabilities(b)} for b in registry.backends()
     ]
     return JSONResponse({"models": models})
 
@@ -632,14 +545,10 @@ async def ps(request: Request) -> Response:
     # Models stay loaded for the life of the server; Ollama shows "forever" as a far-off date.
     expires = _rfc3339((datetime.now(UTC) + timedelta(days=365 * 100)).timestamp())
     models = [
-        {
-            "name": ollama_name(b.model_id),
-            "model": ollama_name(b.model_id),
-            "size": _size(b),
-            "digest": _digest(b.model_id),
-            "details": model_details(b),
+        _listing(b)
+        | {
             "expires_at": expires,
-            "size_vram": _size(b) if str(getattr(b, "device", "cpu")).startswith("cuda") else 0,
+            "size_vram": 0 if b.details().device == "cpu" else b.details().size_bytes,
             "context_length": b.max_context,
         }
         for b in registry.backends()
@@ -672,9 +581,10 @@ async def show(request: Request) -> Response:
     if not name:
         raise invalid("'model' is required", "model")
     registry = state_of(request).registry
-    backend = registry.resolve(name)
+    backend = registry.resolve(name).backend
     template = backend.tokenizer.chat_template or CHATML_TEMPLATE
     details = model_details(backend)
+    # Editors size their prompts from "<architecture>.context_length".
     arch = details["family"] or "unknown"
     info: dict[str, Any] = {
         "general.architecture": arch,
@@ -684,7 +594,7 @@ async def show(request: Request) -> Response:
     }
     if getattr(backend, "dimensions", None):
         info[f"{arch}.embedding_length"] = backend.dimensions  # type: ignore[attr-defined]
-    num_parameters = int(getattr(backend, "num_parameters", 0) or 0)
+    num_parameters = backend.details().num_parameters
     if num_parameters:
         info["general.parameter_count"] = num_parameters
     return JSONResponse(
@@ -711,8 +621,8 @@ async def root(request: Request) -> Response:
 
 
 def routes() -> list[Route]:
-    wrap = endpoint(render_error)
-    open_ = endpoint(render_error, auth=False)
+    wrap = endpoint(ollama_error)
+    open_ = endpoint(ollama_error, auth=False)
     return [
         Route("/", open_(root), methods=["GET", "HEAD"]),
         Route("/api/version", open_(version), methods=["GET"]),

@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from turbospark import __version__
 from turbospark.api.common import endpoint, state_of
-from turbospark.api.openai import render_error
+from turbospark.api.envelopes import openai_error
 from turbospark.registry import ModelRegistry
 
 Schema = dict[str, Any]
@@ -306,7 +306,7 @@ def _ollama_generate(model: Schema) -> Schema:
 def _model_schema(registry: ModelRegistry) -> Schema:
     if registry.fallback:
         return STR  # any id is served by the fallback model
-    names = sorted({n for b in registry.backends() for n in (b.model_id, *b.aliases())})
+    names = sorted({n for served in registry.served() for n in served.names()})
     return {"type": "string", "enum": names} if names else STR
 
 
@@ -403,4 +403,4 @@ async def openapi_json(request: Request) -> Response:
 
 
 def routes() -> list[Route]:
-    return [Route("/openapi.json", endpoint(render_error)(openapi_json), methods=["GET"])]
+    return [Route("/openapi.json", endpoint(openai_error)(openapi_json), methods=["GET"])]

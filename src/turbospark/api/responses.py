@@ -25,16 +25,16 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from turbospark.api import fields as f
-from turbospark.api.common import (
-    endpoint,
-    new_id,
-    prime,
-    read_json,
-    sse_response,
-    state_of,
-    until_disconnect,
+from turbospark.api.common import endpoint, new_id, read_json, sse_response, state_of, until_disconnect
+from turbospark.api.envelopes import openai_error
+from turbospark.api.kit import SSE_PING, logprob_entries, sse_event, start_stream
+from turbospark.api.parsing import (
+    parse_effort,
+    parse_json_format,
+    parse_temperature_top_p,
+    parse_tool_fields,
+    read_content,
 )
-from turbospark.api.openai import parse_effort, render_error
 from turbospark.errors import ApiError, ErrorKind, invalid
 from turbospark.events import (
     Event,
@@ -42,61 +42,22 @@ from turbospark.events import (
     Ping,
     ReasoningDelta,
     TextDelta,
-    TokenLogprob,
     ToolCallArgs,
     ToolCallStart,
     Usage,
 )
-from turbospark.generate import run_choice, stream_choice
+from turbospark.generate import run_choice
 from turbospark.plan import make_plan
-from turbospark.request import (
-    ChatRequest,
-    Message,
-    ResponseFormat,
-    SamplingParams,
-    Tool,
-    ToolCall,
-    ToolChoice,
-    ToolChoiceMode,
-)
+from turbospark.request import ChatRequest, Message, ResponseFormat, ToolCall, ToolChoiceMode
+
+CALL_PREFIX = "call_"  # on the engine's call ids, as OpenAI writes them
 
 # ---------------------------------------------------------------- parsing
 
 
-def _content(raw: Any, where: str, msg: Message) -> None:
-    if isinstance(raw, str):
-        msg.content = raw
-        return
-    if not isinstance(raw, list):
-        raise invalid(f"'{where}' must be a string or an array of content parts", where)
-    texts: list[str] = []
-    for i, part in enumerate(raw):
-        pw = f"{where}[{i}]"
-        part = f.as_object(part, pw)
-        kind = f.string(part, "type", f"{pw}.type", required=True)
-        if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
-            texts.append(f.string(part, "text", f"{pw}.text", required=True) or "")
-        elif kind == "refusal":
-            texts.append(f.string(part, "refusal", f"{pw}.refusal") or "")
-        elif kind == "input_image":
-            url = f.string(part, "image_url", f"{pw}.image_url")
-            if url is None:
-                raise invalid(
-                    f"'{pw}' has no image_url: this server keeps no files, send the image as a data URI",
-                    f"{pw}.image_url",
-                )
-            msg.images.append(f.decode_base64_image(url, f"{pw}.image_url"))
-        else:
-            raise invalid(
-                f"'{pw}.type' {kind!r} is not supported; use input_text, output_text or input_image",
-                f"{pw}.type",
-            )
-    msg.content = "".join(texts)
-
-
 def _text_of(raw: Any, where: str) -> str:
     holder = Message(role="tool")
-    _content(raw, where, holder)
+    read_content(raw, where, holder)
     if holder.images:
         raise invalid(f"'{where}' carries an image; tool outputs must be text here", where)
     return holder.content
@@ -146,7 +107,7 @@ def parse_input(raw: Any, instructions: str | None) -> list[Message]:
                 msg = Message(role=role)  # type: ignore[arg-type]
                 messages.append(msg)
                 turn, reasoning = None, None
-            _content(f.req(item, "content", f"{where}.content"), f"{where}.content", msg)
+            read_content(f.req(item, "content", f"{where}.content"), f"{where}.content", msg)
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             reasoning = _text_of(parts, f"{where}.content") or None
@@ -198,85 +159,10 @@ def parse_input(raw: Any, instructions: str | None) -> list[Message]:
     return messages
 
 
-def parse_tools(raw: Any) -> list[Tool]:
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise invalid("'tools' must be an array", "tools")
-    tools = []
-    for i, item in enumerate(raw):
-        where = f"tools[{i}]"
-        item = f.as_object(item, where)
-        kind = f.string(item, "type", f"{where}.type", required=True)
-        if kind != "function":
-            raise invalid(
-                f"'{where}.type' {kind!r} is not supported: this server runs no hosted tools; "
-                "declare your tools as type 'function'",
-                f"{where}.type",
-            )
-        params = f.obj(item, "parameters", f"{where}.parameters") or {"type": "object", "properties": {}}
-        tools.append(
-            Tool(
-                name=f.string(item, "name", f"{where}.name", required=True) or "",
-                description=f.string(item, "description", f"{where}.description") or "",
-                parameters=params,
-                strict=f.boolean(item, "strict", False, f"{where}.strict"),
-            )
-        )
-    return tools
-
-
-def parse_tool_choice(raw: Any, tools: list[Tool]) -> ToolChoice:
-    if raw is None:
-        return ToolChoice()
-    if isinstance(raw, str):
-        modes = {
-            "auto": ToolChoiceMode.AUTO,
-            "none": ToolChoiceMode.NONE,
-            "required": ToolChoiceMode.REQUIRED,
-        }
-        if raw not in modes:
-            raise invalid(
-                f"'tool_choice' must be 'auto', 'none', 'required' or a function, got {raw!r}", "tool_choice"
-            )
-        choice = ToolChoice(modes[raw])
-    elif isinstance(raw, dict):
-        if raw.get("type") != "function":
-            raise invalid(
-                f"'tool_choice.type' {raw.get('type')!r} is not supported; "
-                "use {'type': 'function', 'name': ...}",
-                "tool_choice.type",
-            )
-        choice = ToolChoice(ToolChoiceMode.NAMED, f.string(raw, "name", "tool_choice.name", required=True))
-    else:
-        raise invalid("'tool_choice' must be a string or an object", "tool_choice")
-    if choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED) and not tools:
-        raise invalid(f"'tool_choice' is {raw!r} but the request has no tools", "tool_choice")
-    if choice.mode is ToolChoiceMode.NAMED and choice.name not in {t.name for t in tools}:
-        raise invalid(f"'tool_choice' names function {choice.name!r}, which is not in 'tools'", "tool_choice")
-    return choice
-
-
 def parse_text_format(raw: Any) -> ResponseFormat | None:
     text = f.as_object(raw, "text") if raw is not None else {}
     fmt = f.obj(text, "format", "text.format")
-    if fmt is None:
-        return None
-    kind = f.string(fmt, "type", "text.format.type", required=True)
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return ResponseFormat("json_object")
-    if kind == "json_schema":
-        return ResponseFormat(
-            "json_schema",
-            schema=f.obj(fmt, "schema", "text.format.schema", required=True),
-            name=f.string(fmt, "name", "text.format.name"),
-            strict=f.boolean(fmt, "strict", False, "text.format.strict"),
-        )
-    raise invalid(
-        f"'text.format.type' must be text, json_object or json_schema, got {kind!r}", "text.format.type"
-    )
+    return None if fmt is None else parse_json_format(fmt, "text.format", None)
 
 
 _NEEDS_STORAGE = {
@@ -298,14 +184,7 @@ def parse_request(body: dict[str, Any]) -> ChatRequest:
     model = f.string(body, "model", required=True) or ""
     instructions = f.string(body, "instructions")
     messages = parse_input(f.req(body, "input"), instructions)
-    tools = parse_tools(body.get("tools"))
-    sampling = SamplingParams()
-    temperature = f.number(body, "temperature", minimum=0.0, maximum=2.0)
-    if temperature is not None:
-        sampling.temperature = temperature
-    top_p = f.number(body, "top_p", minimum=0.0, maximum=1.0)
-    if top_p is not None:
-        sampling.top_p = top_p
+    sampling = parse_temperature_top_p(body, max_temperature=2.0)
     top = f.integer(body, "top_logprobs", minimum=0, maximum=20)
     include = f.array(body, "include") or []
     if top is not None or "message.output_text.logprobs" in include:
@@ -314,17 +193,13 @@ def parse_request(body: dict[str, Any]) -> ChatRequest:
     request = ChatRequest(
         model=model,
         messages=messages,
-        tools=tools,
-        tool_choice=parse_tool_choice(body.get("tool_choice"), tools),
-        parallel_tool_calls=f.boolean(body, "parallel_tool_calls", True),
+        **parse_tool_fields(body, nested=False),
         response_format=parse_text_format(body.get("text")),
         sampling=sampling,
         max_tokens=f.integer(body, "max_output_tokens", minimum=1),
         stream=f.boolean(body, "stream", False),
         reasoning_effort=parse_effort(reasoning.get("effort"), "reasoning.effort"),
     )
-    if request.tool_choice.mode is ToolChoiceMode.NONE:
-        request.tools = []
     return request
 
 
@@ -339,18 +214,6 @@ def usage_dict(usage: Usage) -> dict[str, Any]:
         "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         "total_tokens": usage.total_tokens,
     }
-
-
-def _logprobs(entries: list[TokenLogprob] | None) -> list[dict[str, Any]]:
-    return [
-        {
-            "token": e.token,
-            "bytes": list(e.token.encode()),
-            "logprob": e.logprob,
-            "top_logprobs": [{"token": t, "bytes": list(t.encode()), "logprob": v} for t, _, v in e.top],
-        }
-        for e in entries or []
-    ]
 
 
 def response_skeleton(request: ChatRequest, body: dict[str, Any]) -> dict[str, Any]:
@@ -553,7 +416,7 @@ class ResponseBuilder:
                 )
             )
         elif isinstance(event, TextDelta):
-            out += self._text(event.text, _logprobs(event.logprobs))
+            out += self._text(event.text, logprob_entries(event.logprobs))
         elif isinstance(event, ToolCallStart):
             out += self._close()
             self.held = ""
@@ -561,7 +424,7 @@ class ResponseBuilder:
                 "id": new_id("fc_"),
                 "type": "function_call",
                 "status": "in_progress",
-                "call_id": event.id,
+                "call_id": CALL_PREFIX + event.id,
                 "name": event.name,
                 "arguments": "",
             }
@@ -605,8 +468,7 @@ class ResponseBuilder:
 
 
 def _sse(event: dict[str, Any]) -> bytes:
-    kind: str = event["type"]
-    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+    return sse_event(event["type"], event)
 
 
 async def create_response(request: Request) -> Response:
@@ -618,25 +480,20 @@ async def create_response(request: Request) -> Response:
     builder = ResponseBuilder(response_skeleton(chat, body), summarize=summarize)
 
     if not chat.stream:
-        events = await until_disconnect(request, run_choice(plan))
-        for event in events:
-            if isinstance(event, Finish):
-                builder.finish(event)
-            else:
-                builder.feed(event)
+        # The builder is this API's accumulator: the same one renders the stream.
+        for event in await until_disconnect(request, run_choice(plan)):
+            builder.finish(event) if isinstance(event, Finish) else builder.feed(event)
         return Response(orjson.dumps(builder.response), media_type="application/json")
 
-    ping = state_of(request).ping_interval
-    first, stream = await prime(request, stream_choice(plan, 0, ping))
+    events = await start_stream(request, plan, state_of(request).ping_interval)
 
     async def body_stream() -> AsyncIterator[bytes]:
         for opening in builder.start():
             yield _sse(opening)
-        pending = [first] if first is not None else []
         try:
-            async for event in _chain(pending, stream):
+            async for event in events:
                 if isinstance(event, Ping):
-                    yield b": ping\n\n"
+                    yield SSE_PING
                     continue
                 produced = builder.finish(event) if isinstance(event, Finish) else builder.feed(event)
                 for item in produced:
@@ -648,13 +505,6 @@ async def create_response(request: Request) -> Response:
     return sse_response(body_stream())
 
 
-async def _chain(first: list[Event], rest: AsyncIterator[Event]) -> AsyncIterator[Event]:
-    for event in first:
-        yield event
-    async for event in rest:
-        yield event
-
-
 async def get_response(request: Request) -> Response:
     raise ApiError(
         ErrorKind.NOT_FOUND,
@@ -664,7 +514,7 @@ async def get_response(request: Request) -> Response:
 
 
 def routes() -> list[Route]:
-    wrap = endpoint(render_error)
+    wrap = endpoint(openai_error)
     return [
         Route("/v1/responses", wrap(create_response), methods=["POST"]),
         Route("/v1/responses/{response_id}", wrap(get_response), methods=["GET", "DELETE"]),

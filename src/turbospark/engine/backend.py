@@ -34,6 +34,7 @@ from turbospark.backend import (
     CancelFlag,
     CompletionResult,
     GenerationConfig,
+    ModelDetails,
     ProgressCallback,
     RequestImage,
 )
@@ -105,6 +106,31 @@ class RealChatModel(BackendDefaults):
     @property
     def runner(self) -> ModelRunner:
         return self._runner
+
+    def details(self) -> ModelDetails:
+        """Family, size and weight format, read off the loaded model (weights as held in memory)."""
+        from turbospark.engine.quant import Int4Linear, Int8Linear
+
+        model = self._runner.model
+        assert isinstance(model, torch.nn.Module)
+        params = {id(p): p for p in model.parameters()}  # tied weights once
+        count = sum(p.numel() for p in params.values())
+        size = sum(p.numel() * p.element_size() for p in params.values())
+        kinds = set()
+        for m in model.modules():
+            if isinstance(m, Int8Linear | Int4Linear):
+                kinds.add("int4" if isinstance(m, Int4Linear) else "int8")
+                count += m.in_features * m.out_features
+                size += sum(b.numel() * b.element_size() for b in m.buffers())
+        held = "int4" if "int4" in kinds else "int8" if kinds else str(self._runner.model.dtype)
+        float_names = {"torch.float32": "F32", "torch.bfloat16": "BF16", "torch.float16": "F16"}
+        return ModelDetails(
+            family=type(model).__module__.rsplit(".", 1)[-1],  # the family module is the model_type
+            num_parameters=count,
+            quantization=float_names.get(held, held),
+            size_bytes=size,
+            device=str(next(model.parameters()).device),
+        )
 
     def run_completion(
         self,

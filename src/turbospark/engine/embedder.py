@@ -43,6 +43,7 @@ from turbospark.backend import (
     CancelFlag,
     CompletionResult,
     GenerationConfig,
+    ModelDetails,
     ProgressCallback,
     RequestImage,
 )
@@ -222,6 +223,15 @@ class EmbeddingModel(BackendDefaults):
     def aliases(self) -> list[str]:
         # No claude-turbospark-* alias: Claude Code would offer it as a chat model.
         return list(self._aliases)
+
+    def details(self) -> ModelDetails:
+        return ModelDetails(
+            family=self.family,
+            format=self.file_format,
+            num_parameters=self.num_parameters,
+            size_bytes=self.size_bytes,
+            device=str(self._device),
+        )
 
     def supports_embeddings(self) -> bool:
         return True

@@ -3,7 +3,7 @@
 `make_tool_parser` picks a parser for the model family from its chat template. A parser is fed
 the answer channel (after reasoning was split off) as it streams and yields `TextDelta`,
 `ToolCallStart` and `ToolCallArgs` events; `finish` flushes what is held back. A call is emitted
-whole once it is complete and has passed the guardrails (`turbospark.guardrails`), so streaming
+whole once it is complete and has passed the guardrails (`turbospark.toolcalls.guardrails`), so streaming
 and non-streaming yield the same calls. A call that cannot be parsed or repaired comes back as
 text, never dropped, and is counted in `/metrics`.
 
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from enum import StrEnum
 from typing import Protocol
 
-from turbospark.backend import GuardrailConfig
 from turbospark.request import Tool
+from turbospark.toolcalls.guardrails import GuardrailConfig
 from turbospark.toolcalls.stream import CallStats, StreamToolParser, ToolEvent
 
 __all__ = ["CallStats", "ToolEvent", "ToolFamily", "ToolParser", "detect_family", "make_tool_parser"]

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from turbospark.backend import GuardrailConfig
 from turbospark.request import Tool
+from turbospark.toolcalls.guardrails import GuardrailConfig
 from turbospark.toolcalls.stream import (
     RawCall,
     Scan,

@@ -20,7 +20,7 @@ import json
 import re
 from typing import Any
 
-from turbospark.guardrails import JsonRepairError, loads_tolerant
+from turbospark.toolcalls.guardrails import JsonRepairError, loads_tolerant
 from turbospark.toolcalls.stream import (
     RawCall,
     Scan,

@@ -22,23 +22,24 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from turbospark.backend import GuardrailConfig
 from turbospark.events import TextDelta, ToolCallArgs, ToolCallStart
-from turbospark.guardrails import (
+from turbospark.metrics import TOOL_CALL_REJECTS, TOOL_CALL_REPAIRS, TOOL_CALLS
+from turbospark.request import Tool
+from turbospark.toolcalls.guardrails import (
     CheckedCall,
+    GuardrailConfig,
     JsonRepairError,
     finalize_call,
     loads_tolerant,
     match_tool_name,
 )
-from turbospark.metrics import TOOL_CALL_REJECTS, TOOL_CALL_REPAIRS, TOOL_CALLS
-from turbospark.request import Tool
 
 ToolEvent = TextDelta | ToolCallStart | ToolCallArgs
 
 
 def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
+    """A fresh call id: 24 hex digits. Each API adds its own prefix (`call_`, `toolu_`)."""
+    return uuid.uuid4().hex[:24]
 
 
 class Scan(Enum):

@@ -1,7 +1,7 @@
 """Tool-call guardrails: turn what a model wrote into a call the client can run, or say why not.
 
-Process-level (`GuardrailConfig` in `turbospark.backend`), on by default, and only consulted when
-a request carries tools. Three steps, each switchable:
+Server policy per served model (`GuardrailConfig`, held by `turbospark.registry.ServedModel`),
+on by default, and only consulted when a request carries tools. Three steps, each switchable:
 
 - `repair_json`: a tolerant JSON reader for what small models write (code fences, trailing
   commas, single quotes, bare keys, Python literals, comments, missing commas, unclosed strings,
@@ -27,8 +27,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from turbospark.backend import GuardrailConfig
 from turbospark.request import Tool
+
+
+@dataclass(slots=True, frozen=True)
+class GuardrailConfig:
+    """Which guardrail steps run (see the module docstring); `enabled=False` turns all off."""
+
+    enabled: bool = True
+    repair_json: bool = True
+    match_names: bool = True
+    validate_schema: bool = True
+
 
 # ---------------------------------------------------------------- tolerant JSON
 

@@ -1,0 +1,120 @@
+"""ARCHITECTURE.md's invariants that the import graph and the syntax tree can show."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "src" / "turbospark"
+
+# Modules under api/ that serve no API of their own: what the API modules share.
+API_SHARED = {"common", "fields", "kit", "parsing", "envelopes"}
+# The app's assembly: it mounts every API.
+ASSEMBLY = {"server", "cli", "testing"}
+# Below the plan: token ids only.
+TOKEN_LAYER = {"backend", "scripted", "decode", "sampling"}
+ABOVE_TOKENS = ("turbospark.api", "turbospark.request", "turbospark.plan", "turbospark.events")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+TREES = {name: ast.parse(path.read_text(encoding="utf-8")) for name, path in MODULES.items()}
+
+
+def imports_of(name: str) -> set[str]:
+    """Every turbospark module `name` imports, at any level (TYPE_CHECKING and late imports too)."""
+    found: set[str] = set()
+    for node in ast.walk(TREES[name]):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return {m for m in found if m in MODULES}
+
+
+def short(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+API_MODULES = [n for n in MODULES if n.startswith("turbospark.api.") and short(n) not in API_SHARED]
+
+
+def test_the_api_modules_are_found() -> None:
+    assert {"turbospark.api.openai", "turbospark.api.anthropic", "turbospark.api.models"} <= set(API_MODULES)
+
+
+@pytest.mark.parametrize("name", API_MODULES)
+def test_no_api_module_imports_another(name: str) -> None:
+    others = {m for m in imports_of(name) if m in API_MODULES and m != name}
+    assert not others, f"{name} imports {others}; move what they share into api/{{kit,parsing,...}}"
+
+
+@pytest.mark.parametrize("name", [n for n in MODULES if not n.startswith("turbospark.api")])
+def test_nothing_past_the_edge_imports_from_api(name: str) -> None:
+    if short(name) in ASSEMBLY:
+        return
+    assert not {m for m in imports_of(name) if m.startswith("turbospark.api")}
+
+
+@pytest.mark.parametrize(
+    "name", [n for n in MODULES if n.startswith("turbospark.engine") or short(n) in TOKEN_LAYER]
+)
+def test_the_backend_side_sees_token_ids_only(name: str) -> None:
+    assert not {m for m in imports_of(name) if m.startswith(ABOVE_TOKENS)}
+
+
+def find_cycle() -> list[str] | None:
+    graph = {n: imports_of(n) - {n} for n in MODULES if not n.startswith("turbospark.engine")}
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            # A package's __init__ imported by its own submodules is how packages work.
+            if nxt not in graph or node.startswith(nxt + "."):
+                continue
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycles_outside_the_engine() -> None:
+    assert find_cycle() is None
+
+
+def attribute_readers(attr: str) -> set[str]:
+    return {
+        name
+        for name, tree in TREES.items()
+        if any(isinstance(n, ast.Attribute) and n.attr == attr for n in ast.walk(tree))
+    }
+
+
+def test_only_the_plan_reads_the_served_models_defaults() -> None:
+    assert attribute_readers("default_system") <= {"turbospark.plan"}
+    assert attribute_readers("default_reasoning") <= {"turbospark.plan"}
+
+
+def test_no_api_module_makes_reasoning_events() -> None:
+    """Reasoning is routed by the output pipeline only, so no API can leak or invent it."""
+    for name in API_MODULES + [f"turbospark.api.{m}" for m in API_SHARED]:
+        calls = [n for n in ast.walk(TREES[name]) if isinstance(n, ast.Call)]
+        assert not any(isinstance(c.func, ast.Name) and c.func.id == "ReasoningDelta" for c in calls), name

@@ -250,6 +250,13 @@ async def client(
 # ---- the server: metrics and memory ------------------------------------------------------------
 
 
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 def rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -309,7 +316,7 @@ def main() -> int:
         reply_file.write_text(REPLY, encoding="utf-8")
         serve = ("--model", f"scripted:{reply_file}", "--max-active", "16", "--max-waiting", "256")
         print(f"soak: {args.clients} clients for {args.seconds:.0f} s against serve {' '.join(serve)}")
-        print(f"host: {platform.processor() or platform.machine()}, python {platform.python_version()}")
+        print(f"host: {cpu_name()}, python {platform.python_version()}")
         with ServerProcess(*serve) as server:
             tally, rss_warm = asyncio.run(soak(args, server))
             # Settle: the engine notices the last hang-ups on its next step.
@@ -342,7 +349,8 @@ def main() -> int:
         print(f"  mismatch: {example}")
     print("after settle: " + ", ".join(f"{k.removeprefix('turbospark_')} {v:g}" for k, v in gauges.items()))
     print(
-        f"server RSS: {rss_warm / 1024:.1f} MiB at {args.warmup:.0f} s, {rss_end / 1024:.1f} MiB at end, {growth:+.2f}%"
+        f"server RSS: {rss_warm / 1024:.1f} MiB at {args.warmup:.0f} s, "
+        f"{rss_end / 1024:.1f} MiB at end, {growth:+.2f}%"
     )
     tracebacks = log.count("Traceback")
     print(f"server log: {tracebacks} tracebacks; exit status after SIGTERM {status}")

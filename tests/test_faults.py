@@ -7,6 +7,7 @@ client's timeout turns that into a failure), whatever the scheduler does inside.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -75,6 +76,19 @@ def test_client_that_gives_up_while_queued_leaves_the_line(one_slot: ServerProce
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(one_slot.url + "/v1/messages", json={**chat_body(False), "max_tokens": 9}, timeout=0.5)
         assert next(line for line in lines if line).startswith("data: ")  # the holder still streams
+    finishes(one_slot)
+    assert_clean_log(one_slot)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses", "/api/chat"])
+def test_client_that_hangs_up_while_sending_its_body_is_no_server_error(
+    one_slot: ServerProcess, path: str
+) -> None:
+    body = orjson.dumps(chat_body(True))
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", one_slot.port), timeout=10) as sock:
+        sock.sendall(head.encode() + body[: len(body) // 2])
     finishes(one_slot)
     assert_clean_log(one_slot)
 

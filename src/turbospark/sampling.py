@@ -171,7 +171,9 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Toke
 
 
 def _sample_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[TokenEvent | Exception]:
-    logits = logits.detach().to(torch.float32)
+    # a copy: the runner's logits are inference tensors (no in-place edits outside inference
+    # mode) and may be a CUDA graph's static output buffer
+    logits = logits.detach().to(torch.float32, copy=True)
     out: list[TokenEvent | Exception | None] = [None] * len(rows)
     for i, row in enumerate(rows):
         c = row.config

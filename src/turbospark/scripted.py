@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from turbospark.engine.scheduler import ScheduledBatch
 
 DEMO_MAX_CONTEXT = 131072
+MAX_KEPT_PROMPTS = 256
 BLOCK_SIZE = 16
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -148,7 +150,9 @@ class ScriptedChatModel(BackendDefaults):
         eos = self._tokenizer.token_to_id("<|im_end|>")
         assert eos is not None
         self._end_id = eos
-        self.prompts: list[list[int]] = []  # every prompt seen, for tests to inspect
+        # the latest prompts seen, for tests to inspect; bounded, so a long-running demo server
+        # does not grow by every prompt it ever served
+        self.prompts: deque[list[int]] = deque(maxlen=MAX_KEPT_PROMPTS)
         num_blocks = -(-max_context // BLOCK_SIZE) * 2
         self.engine = Engine(
             ReplayRunner(self._tokenizer.vocab_size),

@@ -85,7 +85,9 @@ def test_seeded_sampling_does_not_depend_on_the_batch() -> None:
     model = build_model(cfg, tensors)
     requests = prompts(seed=4, num=6)
     configs = [
-        GenerationConfig(max_new_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=100 + i)
+        GenerationConfig(
+            max_new_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=100 + i, repetition_penalty=1.1
+        )
         for i in range(len(requests))
     ]
     alone = [

@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from turbospark.api.fields import parse_json_object
@@ -131,6 +131,11 @@ def endpoint(render_error: ErrorRenderer, *, auth: bool = True) -> Callable[[Han
                 return await handler(request)
             except ApiError as exc:
                 return render_error(exc)
+            except ClientDisconnect:
+                # The client hung up before its body arrived whole: no one is left to answer, and
+                # nothing went wrong on this side. 499 is only for the access log and metrics.
+                log.debug("client disconnected while sending %s", request.url.path)
+                return Response(status_code=499)
             except Exception as exc:
                 log.exception("unhandled error in %s", request.url.path)
                 return render_error(

@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -152,7 +151,7 @@ class ScriptedChatModel(BackendDefaults):
         self._end_id = eos
         # the latest prompts seen, for tests to inspect; bounded, so a long-running demo server
         # does not grow by every prompt it ever served
-        self.prompts: deque[list[int]] = deque(maxlen=MAX_KEPT_PROMPTS)
+        self.prompts: list[list[int]] = []
         num_blocks = -(-max_context // BLOCK_SIZE) * 2
         self.engine = Engine(
             ReplayRunner(self._tokenizer.vocab_size),
@@ -189,6 +188,7 @@ class ScriptedChatModel(BackendDefaults):
         with self._lock:
             reply = self.replies[next(self._turns) % len(self.replies)]
             self.prompts.append(list(prompt_ids))
+            del self.prompts[:-MAX_KEPT_PROMPTS]
         script = [*self._tokenizer.encode(reply), self._end_id]
         config.stop_token_ids = config.stop_token_ids | {self._end_id}
         replay = Replay(script, self.seconds_per_prompt_token(len(prompt_ids)))

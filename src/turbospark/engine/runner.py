@@ -29,11 +29,6 @@ if TYPE_CHECKING:
     from turbospark.engine.scheduler import ScheduledBatch
 
 
-def kv_bytes_per_token(model: Model, dtype: torch.dtype) -> int:
-    cfg = model.config
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
-
-
 @dataclass(slots=True)
 class SequenceState:
     """One sequence's cache ownership on the reference path: its blocks, how many tokens are in."""

@@ -13,6 +13,7 @@ from turbospark.engine.cpu_kernels import (
     cpu_kernels,
     detect,
     free_cores,
+    has_fbgemm_half,
     set_intra_op_threads,
 )
 
@@ -31,6 +32,18 @@ def test_dense_dtype_is_bf16_only_where_bf16_is_native(flags, dense) -> None:
     assert kernels.dense_dtype == dense
     assert kernels.native_bf16 == (dense == torch.bfloat16)
     assert kernels.source == "detected"
+
+
+def test_packed_half_and_float32_activations_only_where_bf16_is_emulated() -> None:
+    avx2 = detect(AVX2, "auto")
+    assert avx2.packed_half == has_fbgemm_half() and avx2.activation_dtype == torch.float32
+    assert "fp16-packed" in avx2.describe() or not has_fbgemm_half()
+    amx = detect(SAPPHIRE_RAPIDS, "auto")
+    assert not amx.packed_half and amx.activation_dtype == torch.bfloat16
+    # "float32" keeps the expand-to-float32 path of before (no packed copy)
+    plain = detect(AVX2, "float32")
+    assert not plain.packed_half and plain.dense_dtype == torch.float32
+    assert plain.activation_dtype == torch.float32 and "expanded to float32" in plain.describe()
 
 
 def test_override_wins_and_is_named() -> None:

@@ -11,16 +11,21 @@ import pytest
 import torch
 from tiny_models import FAMILIES, checkpoint
 
+from turbospark.engine.cpu_kernels import cpu_kernels
 from turbospark.engine.layers import Linear
 from turbospark.engine.models import build_model
 from turbospark.engine.quant import (
+    LM_HEAD_MAX_PADDING,
+    MIN_ROWS_PACKED,
     MIN_ROWS_TO_DEQUANTIZE,
     Int4Linear,
     Int8Linear,
     auto_quant,
     is_on_int4_grid,
+    pack_half,
     quantize_int4,
     quantize_int8,
+    quantize_linear,
 )
 from turbospark.engine.runner import ModelRunner, SequenceState
 
@@ -81,6 +86,51 @@ def test_int4_kernel_equals_the_dequantized_matmul() -> None:
     dequant16 = ((codes.view(64, -1, 32).float() - 8) * sz16[..., :1] + sz16[..., 1:]).view(64, 128)
     expected = x.float() @ dequant16.T
     assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+
+
+needs_packed = pytest.mark.skipif(
+    not cpu_kernels().packed_half, reason="this CPU's profile does not use fbgemm's packed fp16 GEMM"
+)
+
+
+@needs_packed
+@pytest.mark.parametrize("rows", [MIN_ROWS_PACKED, 8, 300])
+def test_packed_int4_path_computes_with_the_kernels_weight(rows: int) -> None:
+    """Many rows of an int4 linear go through the packed fp16 copy of the very weight the int4
+    kernel holds (codes and bf16 scales / zeros): equal to that weight's float32 product."""
+    lin = float_linear(64, 128, bias=True)
+    layer = Int4Linear(lin, torch.float32, 32)
+    assert layer.packed is not None and layer.nibbles is None  # the packed copy replaced them
+    codes, sz = quantize_int4(lin.weight.data, 32, torch.bfloat16)
+    sz = sz.float().transpose(0, 1)  # (out, groups, 2)
+    weight = ((codes.view(64, -1, 32).float() - 8) * sz[..., :1] + sz[..., 1:]).view(64, 128)
+    x = torch.randn(rows, 128)
+    expected = x @ weight.T + lin.bias
+    # fp16 holds code * scale + zero to 11 bits: 1e-3 of the output's size bounds the difference
+    torch.testing.assert_close(layer(x), expected, atol=1e-3 * float(expected.abs().max()), rtol=0)
+
+
+@needs_packed
+def test_packed_int8_path_is_exact_and_agrees_with_the_kernel() -> None:
+    lin = float_linear(64, 96, bias=True)
+    layer = Int8Linear(lin, torch.float32)
+    q, scales = quantize_int8(lin.weight.data)
+    x = torch.randn(16, 96)
+    # the int8 codes are exact in fp16 and the scales are applied in float32 afterwards
+    torch.testing.assert_close(layer(x), x @ (q.float() * scales[:, None]).T + lin.bias, atol=1e-4, rtol=1e-4)
+    one_row = torch.cat([layer(x[i : i + 1]) for i in range(16)])  # the int8 kernel, bf16 input
+    torch.testing.assert_close(one_row, layer(x), atol=2e-2 * float(one_row.abs().max()), rtol=0)
+
+
+@needs_packed
+def test_lm_head_is_packed_only_where_fbgemm_pads_it_little() -> None:
+    assert pack_half(torch.randn(8, 896), None, LM_HEAD_MAX_PADDING) is not None  # 896 -> 1,024
+    assert pack_half(torch.randn(8, 576), None, LM_HEAD_MAX_PADDING) is None  # 576 -> 1,024
+    assert pack_half(torch.randn(8, 576), None) is not None  # other linears: always
+    head = quantize_linear(float_linear(32, 576), "lm_head", mode="int4", dtype=torch.float32)
+    assert isinstance(head, Int8Linear) and head.packed is None
+    x = torch.randn(4, 576)  # without a packed copy, few rows run the int8 kernel
+    assert head(x).shape == (4, 32) and head(x).dtype == torch.float32
 
 
 def logits_range(logits: torch.Tensor) -> float:

@@ -1,0 +1,160 @@
+"""The headline, as a user meets it: the real Claude Code CLI against `turbospark serve --model
+qwen2.5-coder:0.5b` with no other flag, on this CPU.
+
+Claude Code's first request carries its system prompt and ~25 tool schemas (about 18,800 Qwen
+tokens); it gives up when no content chunk arrives within 300 s, so the first turn's prefill has
+to finish well inside that (`benchmarks/bench_agent.py` times it request by request). Later
+requests reuse the cached prefix.
+
+The session asks for a shell command. Whether a 0.5B model picks the Bash tool is its own
+choice (Claude Code samples, so it varies run to run): the test holds that the session
+completes with a result, and, when the model did call the tool, that the command really ran and
+its output came back to the model (the next request carries it as a tool_result).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+import turbospark
+from turbospark.engine.pull import pulled_path
+from turbospark.testing import free_port
+
+MODEL = "qwen2.5-coder:0.5b"
+MARKER = "turbospark-notes-4711"
+# generous: the first turn prefills ~18,800 tokens on two cores, the follow-ups are cached
+CLAUDE_TIMEOUT_S = 1200
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.claude,
+    pytest.mark.skipif(
+        pulled_path(MODEL) is None and not os.environ.get("TURBOSPARK_REQUIRE_MODELS"),
+        reason=f"run `python -m turbospark.engine.pull {MODEL}` first",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def claude() -> str:
+    path = shutil.which("claude")
+    if path is None:
+        if os.environ.get("TURBOSPARK_REQUIRE_CLAUDE"):
+            pytest.fail("TURBOSPARK_REQUIRE_CLAUDE is set but `claude` is not on PATH")
+        pytest.skip("Claude Code CLI (`claude`) is not installed")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """`turbospark serve --model qwen2.5-coder:0.5b` on a free loopback port, no other flag."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(Path(turbospark.__file__).parents[1]), env.get("PYTHONPATH")) if p
+    )
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "turbospark", "serve", "--model", MODEL, "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert process.poll() is None, log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "no 200 from /health in 300 s"
+            try:
+                if httpx.get(url + "/health", timeout=10).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        yield url, log
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def metric(url: str, name: str) -> float:
+    """Sum of a Prometheus counter's samples (all label sets) from /metrics."""
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_claude_code_session_on_qwen_05b_with_default_flags(
+    claude: str, server: tuple[str, Path], tmp_path: Path
+) -> None:
+    url, log = server
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    (work / "notes.txt").write_text(f"{MARKER}\n")
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(home),
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1",
+        "ANTHROPIC_BASE_URL": url,
+        "ANTHROPIC_API_KEY": "local",
+    }
+    started = time.monotonic()
+    done = subprocess.run(
+        [
+            claude,
+            "-p",
+            "Run the shell command: cat notes.txt",
+            "--model",
+            f"claude-turbospark-{MODEL}",
+            "--allowedTools",
+            "Bash",
+            "--output-format",
+            "json",
+        ],
+        cwd=work,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=CLAUDE_TIMEOUT_S,
+    )
+    elapsed = time.monotonic() - started
+    lines = done.stdout.strip().splitlines()
+    server_log = log.read_text(errors="replace")[-3000:]
+    assert lines, f"claude printed nothing (exit {done.returncode}): {done.stderr[-2000:]}\n{server_log}"
+    result: dict[str, Any] = json.loads(lines[-1])
+    print(json.dumps({"elapsed_s": round(elapsed, 1), **result})[:3000])  # the transcript's summary
+    assert result["type"] == "result" and result["is_error"] is False, (result, server_log)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert isinstance(result.get("result"), str) and result["result"].strip()
+    requests = metric(url, "turbospark_engine_requests_total")  # generations the engine ran
+    assert requests >= 1
+    if result.get("num_turns", 1) > 1:
+        # the model called Bash: Claude Code ran it and sent its output back, and the answer
+        # was written after reading it
+        assert requests >= 2
+        assert MARKER in result["result"] or "notes" in result["result"].lower(), result["result"]

@@ -68,6 +68,7 @@ def load_model(spec: str, args: argparse.Namespace, rate: RateControl | None = N
         kv_cache_gb=getattr(args, "kv_cache_gb", None),
         scheduler=scheduler_config(args),
         rate=rate,
+        tensor_parallel=getattr(args, "tensor_parallel", 1),
     )
     return backend
 
@@ -209,6 +210,16 @@ def chat(args: argparse.Namespace) -> int:
     )
 
 
+def positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
+    return n
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="turbospark", description="Local LLM inference server")
     sub = p.add_subparsers(dest="command", required=True)
@@ -271,6 +282,14 @@ def parser() -> argparse.ArgumentParser:
         help="KV-cache budget per model in GiB (default: a fifth of free memory, at most 8)",
     )
     s.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    s.add_argument(
+        "--tensor-parallel",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="split each generating model over N processes (one GPU each on cuda, from --device's "
+        "index on; the cores shared on cpu); heads and kv heads must divide by N (default 1)",
+    )
     s.add_argument("--dtype", default=None, help="weight dtype (default: the engine's choice for the device)")
     s.add_argument("--max-context", type=int, default=None, help="cap the context length")
     s.add_argument(

@@ -23,7 +23,7 @@ from tiny_models import FAMILIES, save_folder
 
 from turbospark.cli import parser
 from turbospark.engine.backend import RealChatModel, load_backend
-from turbospark.engine.parallel import check_devices, decode_step, encode_step
+from turbospark.engine.parallel import StepChannel, check_devices, decode_step, encode_step
 from turbospark.engine.runner import StepInputs
 from turbospark.testing import ServerProcess
 
@@ -98,6 +98,7 @@ def test_step_message_round_trips() -> None:
         sample_rows=[0, 2],
     )
     assert decode_step(encode_step(step)) == step
+    assert StepChannel.FIRST < 3 * 400  # the long step below takes the second broadcast
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -136,6 +137,10 @@ def test_two_gloo_ranks_give_the_single_process_logits(folders: dict[str, Path],
             logits = both(StepInputs([a[-1], b[-1]], tables, [len(a) - 1, len(b) - 1], [1, 1], [0, 1]))
             for i, seq in enumerate((a, b)):
                 seq.append(int(logits[i].argmax()))
+        # three 400-token prompts in one step: a message longer than the channel's first part
+        prompts = [[(7 * k + 3 * i) % 316 + 4 for i in range(400)] for k in range(3)]
+        tables = [list(range(3 + 25 * k, 28 + 25 * k)) for k in range(3)]
+        both(StepInputs([t for p in prompts for t in p], tables, [0, 0, 0], [400] * 3, [0, 1, 2]))
     finally:
         group.close()
     assert group.worker_pids and not any(is_alive(pid) for pid in group.worker_pids)

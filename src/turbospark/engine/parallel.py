@@ -3,7 +3,8 @@
 Rank 0 holds everything a single-process server holds (HTTP, plans, the engine thread, the
 scheduler and block manager, sampling) plus its own shard of the model and of the KV cache.
 Each engine step, `TensorParallelRunner.execute` broadcasts the step's `StepInputs` (packed ids,
-block tables, cached and new token counts, the rows that sample) over a gloo control group;
+block tables, cached and new token counts, the rows that sample) over a gloo control group (one
+broadcast for a step of a few sequences);
 every rank rebuilds the same `AttentionMetadata` from them and runs the same
 `ModelRunner.run_step` on its shard, meeting the others in the model's collectives (two
 all-reduces per layer, the vocab-parallel embedding and lm_head: `tensor_parallel.py`). Block
@@ -125,28 +126,36 @@ def decode_step(data: list[int]) -> StepInputs:
 
 
 class StepChannel:
-    """Rank 0 -> workers, over a gloo group on CPU tensors: a (op, length) header, then the
-    step's ints. Two broadcasts a step, whatever the device the model runs on."""
+    """Rank 0 -> workers, over a gloo group on CPU tensors: one broadcast of a fixed-size
+    message (op, length, then the step's first ints), and a second one for the rest only when a
+    step does not fit (a large batch's block tables); a decode step of a few sequences fits."""
+
+    FIRST = 1024  # ints in the fixed-size message
 
     def __init__(self, group: Any) -> None:
         self.group = group
 
     def send(self, step: StepInputs | None) -> None:
         payload = [] if step is None else encode_step(step)
-        header = torch.tensor([_OP_STOP if step is None else _OP_STEP, len(payload)], dtype=torch.long)
-        dist.broadcast(header, 0, group=self.group)
-        if payload:
-            dist.broadcast(torch.tensor(payload, dtype=torch.long), 0, group=self.group)
+        first = torch.zeros(self.FIRST, dtype=torch.long)
+        head = [_OP_STOP if step is None else _OP_STEP, len(payload), *payload[: self.FIRST - 2]]
+        first[: len(head)] = torch.tensor(head, dtype=torch.long)
+        dist.broadcast(first, 0, group=self.group)
+        if len(payload) > self.FIRST - 2:
+            dist.broadcast(torch.tensor(payload[self.FIRST - 2 :], dtype=torch.long), 0, group=self.group)
 
     def recv(self) -> StepInputs | None:
-        header = torch.empty(2, dtype=torch.long)
-        dist.broadcast(header, 0, group=self.group)
-        op, length = header.tolist()
+        first = torch.empty(self.FIRST, dtype=torch.long)
+        dist.broadcast(first, 0, group=self.group)
+        op, length = first[:2].tolist()
         if op == _OP_STOP:
             return None
-        payload = torch.empty(length, dtype=torch.long)
-        dist.broadcast(payload, 0, group=self.group)
-        return decode_step(payload.tolist())
+        payload = first[2 : 2 + length].tolist()
+        if length > self.FIRST - 2:
+            rest = torch.empty(length - (self.FIRST - 2), dtype=torch.long)
+            dist.broadcast(rest, 0, group=self.group)
+            payload += rest.tolist()
+        return decode_step(payload)
 
 
 # ---- what a worker is told to build ----

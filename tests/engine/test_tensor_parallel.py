@@ -23,7 +23,14 @@ from tiny_models import FAMILIES, save_folder
 
 from turbospark.cli import parser
 from turbospark.engine.backend import RealChatModel, load_backend
-from turbospark.engine.parallel import StepChannel, check_devices, decode_step, encode_step
+from turbospark.engine.parallel import (
+    StepChannel,
+    TensorParallelGroup,
+    WorkerJob,
+    check_devices,
+    decode_step,
+    encode_step,
+)
 from turbospark.engine.runner import StepInputs
 from turbospark.testing import ServerProcess
 
@@ -144,6 +151,31 @@ def test_two_gloo_ranks_give_the_single_process_logits(folders: dict[str, Path],
     finally:
         group.close()
     assert group.worker_pids and not any(is_alive(pid) for pid in group.worker_pids)
+
+
+def broken_source() -> tuple[dict, dict]:
+    """A worker's checkpoint source that fails (run in the spawned worker)."""
+    raise OSError("the checkpoint vanished")
+
+
+def test_a_worker_that_cannot_load_fails_start_up_with_its_reason() -> None:
+    job = WorkerJob(
+        source=broken_source,
+        device="cpu",
+        dtype=torch.float32,
+        quant=None,
+        max_positions=64,
+        max_context=64,
+        num_blocks=4,
+        block_size=16,
+        threads=1,
+    )
+    group = TensorParallelGroup.launch(2, job)
+    with pytest.raises(RuntimeError, match="rank 1 failed: OSError: the checkpoint vanished"):
+        group.wait_ready()
+    assert not wait_gone(set(group.worker_pids))
+    with pytest.raises(RuntimeError, match="stopped: closed"):
+        group.run(StepInputs([1], [[0]], [0], [1], [0]), lambda step: torch.zeros(1))
 
 
 def test_a_model_that_does_not_split_is_refused_with_its_numbers(folders: dict[str, Path]) -> None:

@@ -71,7 +71,8 @@ class RealChatModel(BackendDefaults):
     ) -> None:
         """`num_kv_blocks` sizes the KV cache (default: one full context per running sequence,
         at most 4); the context never exceeds what the cache holds. With `tensor_parallel`,
-        `model` is rank 0's shard and every engine step runs on all ranks of the group."""
+        `model` is rank 0's shard and every engine step runs on all ranks of the group (the
+        runner's one-sequence reference path, `forward` / `generate`, is single-process only)."""
         self.model_id = model_id
         self._tokenizer = tokenizer
         scheduler = scheduler or SchedulerConfig()

@@ -213,6 +213,11 @@ class TensorParallelGroup:
     def launch(cls, world_size: int, job: WorkerJob) -> TensorParallelGroup:
         """Starts ranks 1..N-1 and joins them in a process group; returns once all have joined
         (they then load their shards while rank 0 loads its own: see `wait_ready`)."""
+        if dist.is_initialized():
+            raise ValueError(
+                "one tensor-parallel model per server process: another one already holds this "
+                "process's torch.distributed group"
+            )
         device = rank_device(job.device, 0)
         if device.type == "cuda":
             os.environ.update(NCCL_ENV)

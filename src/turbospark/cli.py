@@ -56,6 +56,10 @@ def load_model(spec: str, args: argparse.Namespace, rate: RateControl | None = N
     from turbospark.engine.embedder import is_encoder_spec, load_embedding_model
 
     if is_encoder_spec(spec):  # an encoder (BERT) folder or the packaged all-minilm-l6-v2
+        if getattr(args, "tensor_parallel", 1) > 1:
+            log.info(
+                "%s: embedding models run in one process; --tensor-parallel splits generating ones", spec
+            )
         return load_embedding_model(spec, device=args.device, dtype=args.dtype, max_context=args.max_context)
     from turbospark.engine.backend import load_backend
 

@@ -11,6 +11,7 @@ process behind when it stops, nor when it is killed.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -244,6 +245,10 @@ def test_served_greedy_text_equals_the_single_process_text(
     with serve(folders["llama"], 2) as server:
         workers = children_of(server.proc.pid)
         assert workers, "no worker process was started"
+        # what a terminal's Ctrl-C or a service manager sends the whole group: the server decides
+        for pid in workers:
+            os.kill(pid, signal.SIGINT)
+            os.kill(pid, signal.SIGTERM)
         assert answers(server.url, "tiny-llama", concurrently=False) == single_answers
         # batched together in the engine's steps, the answers stay the same
         assert answers(server.url, "tiny-llama", concurrently=True) == single_answers

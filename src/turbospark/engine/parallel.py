@@ -17,7 +17,8 @@ their own shard of the checkpoint. The model's collectives run on NCCL on CUDA (
 NVLink multicast off) and gloo on CPU: the backend follows the device, the code is the same.
 A worker leaves when rank 0 sends the stop message (`close`, also run at exit), when the control
 connection breaks, or when its parent process is gone (a watchdog thread), so no worker outlives
-the server.
+the server; it ignores SIGINT and SIGTERM, which a terminal or a service manager sends to the
+whole process group, so that the server can drain its running replies first.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import datetime
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -343,10 +345,7 @@ class TensorParallelGroup:
             if p.pid is None:  # never started
                 continue
             p.join(timeout=10 if send_stop else 0.5)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-            if p.is_alive():
+            if p.is_alive():  # workers ignore SIGTERM (see `_worker_main`)
                 p.kill()
                 p.join()
 
@@ -383,6 +382,11 @@ def _exit_with_parent() -> None:
 
 
 def _worker_main(rank: int, world_size: int, port: int, job: WorkerJob) -> None:
+    # Ctrl-C in a terminal, or a service manager's SIGTERM to the whole group, reaches the
+    # workers too; the server drains its running replies first, which needs them, and then
+    # stops them itself (or the watchdog does, if it is gone).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _exit_with_parent()
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
     torch.set_num_threads(job.threads)

@@ -3,8 +3,12 @@
     python benchmarks/bench_tp.py                          # Llama-3.1-8B config, TP 1 and 2, cuda:0..1
     python benchmarks/bench_tp.py --tp 1,2,4 --json out.json
     python benchmarks/bench_tp.py --device cpu --preset tiny --tp 1,2   # a smoke run of this script
+    python benchmarks/bench_tp.py --device cpu --model qwen2.5-coder:0.5b --dtype float32 --batch 4
 
-A random-weight checkpoint folder of the preset's config is written once (bf16 weights drawn with
+Run from the repository root with the package installed (`pip install -e .`) or PYTHONPATH=src.
+
+Unless --model names a checkpoint to load instead, a random-weight checkpoint folder of the
+preset's config is written once (bf16 weights drawn with
 std 0.02, a word-level tokenizer; no hub access; reused from --folder on later runs). Each TP
 size then runs in a process of its own (`--child`), which loads the folder with
 `load_backend(..., tensor_parallel=N)` exactly as `turbospark serve --tensor-parallel N` does
@@ -132,6 +136,18 @@ def write_folder(folder: Path, config: dict[str, Any], device: str) -> None:
     log(f"wrote {folder} in {time.perf_counter() - started:.0f} s")
 
 
+def describe_hardware(device: str) -> str:
+    if torch.device(device).type == "cuda":
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    name = "CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {len(os.sched_getaffinity(0))} cores"
+
+
 def child(args: argparse.Namespace) -> dict[str, Any]:
     """One TP size: load as `serve` does, warm up, then the two measurements."""
     from turbospark.backend import NEVER_CANCEL, GenerationConfig
@@ -140,10 +156,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     started = time.perf_counter()
     model = load_backend(
-        str(args.folder),
+        str(args.model or args.folder),
         device=args.device,
         dtype=args.dtype,
-        quant="none",
+        quant=args.quant,
         progress=False,
         kv_cache_gb=args.kv_cache_gb,
         max_context=args.prompt + max(args.decode, args.batched_decode) + 16,
@@ -195,6 +211,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--folder", type=Path, default=None, help="where the random checkpoint is (re)used")
+    ap.add_argument("--model", default=None, help="load this model spec instead of a random checkpoint")
+    ap.add_argument("--quant", default="none", help="as serve's --quant (default none: float weights)")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--decode", type=int, default=256)
     ap.add_argument("--batched-decode", type=int, default=128)
@@ -217,13 +235,16 @@ def main() -> int:
     folder = args.folder or Path(tempfile.gettempdir()) / (
         f"turbospark-bench-tp-{args.preset}-{config['num_hidden_layers']}"
     )
-    write_folder(folder, config, args.device)
+    if args.model is None:
+        write_folder(folder, config, args.device)
     sizes = [int(s) for s in args.tp.split(",")]
     rows = []
     for tp in sizes:
         log(f"TP={tp} ...")
         cmd = [sys.executable, __file__, "--child", "--tp", str(tp), "--folder", str(folder)]
-        for name in ("device", "dtype", "prompt", "decode", "batched_decode", "batch"):
+        if args.model:
+            cmd += ["--model", args.model]
+        for name in ("device", "dtype", "quant", "prompt", "decode", "batched_decode", "batch"):
             cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
         cmd += ["--max-batched-tokens", str(args.max_batched_tokens), "--kv-cache-gb", str(args.kv_cache_gb)]
         cmd += ["--repeats", str(args.repeats)]
@@ -231,8 +252,9 @@ def main() -> int:
         rows.append(json.loads(out.strip().splitlines()[-1]))
         log(json.dumps(rows[-1]))
     base = rows[0]
-    hardware = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    print(f"{args.preset} ({config['num_hidden_layers']} layers), {args.dtype}, {args.device}: {hardware}")
+    hardware = describe_hardware(args.device)
+    what = args.model or f"{args.preset} ({config['num_hidden_layers']} layers, random weights)"
+    print(f"{what}, {args.dtype}, quant {args.quant}, {args.device}: {hardware}")
     vs = f"vs TP={base['tp']}"
     print(f"| TP | batch-1 decode tok/s | {vs} | batched tok/s ({args.batch} seqs) | {vs} |")
     print("|---|---|---|---|---|")

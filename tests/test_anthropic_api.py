@@ -442,7 +442,9 @@ class SlowScripted(ScriptedChatModel):
     prompt token per engine step so a cancel is seen between tokens."""
 
     def __init__(self, replies: Sequence[str], delay: float, **kwargs: Any) -> None:
-        kwargs["scheduler"] = SchedulerConfig(max_batched_tokens=1, **kwargs.pop("scheduler", {}))
+        kwargs["scheduler"] = SchedulerConfig(
+            max_batched_tokens=1, max_prefill_tokens=1, **kwargs.pop("scheduler", {})
+        )
         super().__init__(replies, **kwargs)
         self.delay = delay
         self.started = threading.Event()

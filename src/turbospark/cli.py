@@ -23,11 +23,9 @@ log = logging.getLogger("turbospark")
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
-    return SchedulerConfig(
-        max_active=getattr(args, "max_active", 8),
-        max_waiting=getattr(args, "max_waiting", 64),
-        max_batched_tokens=getattr(args, "max_batched_tokens", 256),
-    )
+    """The scheduler settings the command line gives; the dataclass's defaults for the rest."""
+    names = ("max_active", "max_waiting", "max_batched_tokens", "max_prefill_tokens")
+    return SchedulerConfig(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
 
 
 def rate_control(args: argparse.Namespace) -> RateControl:
@@ -271,13 +269,27 @@ def parser() -> argparse.ArgumentParser:
         "--thermal-source",
         help="where temperatures come from: auto (default with --thermal-steps), linux, nvml, file:PATH",
     )
-    s.add_argument("--max-active", type=int, default=8, help="sequences batched together per model")
-    s.add_argument("--max-waiting", type=int, default=64, help="requests waiting per model before 429")
+    sched = SchedulerConfig()
+    s.add_argument(
+        "--max-active", type=int, default=sched.max_active, help="sequences batched together per model"
+    )
+    s.add_argument(
+        "--max-waiting",
+        type=int,
+        default=sched.max_waiting,
+        help="requests waiting per model before 429",
+    )
     s.add_argument(
         "--max-batched-tokens",
         type=int,
-        default=256,
+        default=sched.max_batched_tokens,
         help="tokens one engine step feeds (prompt chunks and decodes together)",
+    )
+    s.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=sched.max_prefill_tokens,
+        help="tokens a step feeds when no sequence in it is decoding (a prompt alone: bigger chunks)",
     )
     s.add_argument(
         "--kv-cache-gb",

@@ -136,9 +136,12 @@ def test_concurrent_requests_serialize_and_each_gets_its_own_answer() -> None:
 def test_numerics_defaults() -> None:
     import torch
 
+    from turbospark.engine.cpu_kernels import cpu_kernels
+
     assert resolve_numerics("cpu", None, None) == (torch.float32, None)
     assert resolve_numerics("cpu", None, "none") == (torch.float32, None)
-    assert resolve_numerics("cpu", None, "auto") == (torch.bfloat16, "auto")
+    # quantized activations: bf16 where the CPU has it natively, float32 where it is emulated
+    assert resolve_numerics("cpu", None, "auto") == (cpu_kernels().activation_dtype, "auto")
     assert resolve_numerics("cpu", "float32", "auto") == (torch.float32, None)  # float weights asked for
     assert resolve_numerics("cpu", "bfloat16", "auto") == (torch.bfloat16, None)
     assert resolve_numerics("cpu", "float32", "int8") == (torch.float32, "int8")

@@ -37,7 +37,7 @@ def test_engine_on_cuda_equals_one_at_a_time(family: str) -> None:
     assert runner.graphs is not None
     engine = Engine(
         runner,
-        Scheduler(SchedulerConfig(max_batched_tokens=32), runner.block_manager),
+        Scheduler(SchedulerConfig(max_batched_tokens=32, max_prefill_tokens=32), runner.block_manager),
         max_context=128,
         name="cuda",
     )

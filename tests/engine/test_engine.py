@@ -33,6 +33,9 @@ def prompts(seed: int, num: int, vocab: int = 250) -> list[list[int]]:
 
 
 def engine_for(model, *, num_blocks: int, block_size: int = 4, **sched) -> Engine:
+    """An engine whose every step, decoding or not, stays under the given token budget."""
+    if "max_batched_tokens" in sched:
+        sched.setdefault("max_prefill_tokens", sched["max_batched_tokens"])
     runner = ModelRunner(model, max_context=128, num_blocks=num_blocks, block_size=block_size)
     scheduler = Scheduler(SchedulerConfig(**sched), runner.block_manager)
     return Engine(runner, scheduler, max_context=128, name="test")
@@ -117,7 +120,9 @@ def test_random_submit_cancel_finish_keeps_every_invariant() -> None:
     """1,000 random events: submits (with shared prefixes), cancels, natural finishes."""
     rng = random.Random(7)
     blocks = BlockManager(40, block_size=4)
-    scheduler = Scheduler(SchedulerConfig(max_active=6, max_waiting=1000, max_batched_tokens=24), blocks)
+    scheduler = Scheduler(
+        SchedulerConfig(max_active=6, max_waiting=1000, max_batched_tokens=24, max_prefill_tokens=24), blocks
+    )
     runner = CountingReplay(300, scheduler)
     engine = Engine(runner, scheduler, max_context=160, name="random")
     stems = [[rng.randrange(300) for _ in range(rng.randint(4, 40))] for _ in range(6)]
@@ -164,6 +169,32 @@ def test_requests_start_in_arrival_order_and_a_full_line_refuses_at_once() -> No
     started = sorted(seqs, key=lambda s: s.first_scheduled_time or 0.0)
     assert [s.seq_id for s in started] == [s.seq_id for s in seqs]
     assert all(s.finish_reason is FinishReason.LENGTH for s in seqs)
+
+
+def test_a_prompt_alone_takes_the_prefill_budget_and_never_stalls_a_decoding_stream() -> None:
+    """No sequence decoding: steps feed up to max_prefill_tokens; once one decodes, every step
+    stays under max_batched_tokens, so the second prompt is chunked between its tokens."""
+    scheduler = Scheduler(SchedulerConfig(max_batched_tokens=8, max_prefill_tokens=32), BlockManager(256, 4))
+    seen: list[tuple[bool, int]] = []  # (some sequence decodes in the step, tokens fed)
+
+    class Recording(ReplayRunner):
+        def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+            decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in batch.seqs)
+            seen.append((decoding, batch.num_tokens))
+            return super().execute(batch)
+
+    engine = Engine(Recording(300), scheduler, max_context=512, name="budget")
+    cancel = threading.Event()
+    first = engine.submit(list(range(1, 101)), GenerationConfig(max_new_tokens=200), cancel, Replay([7]))
+    while first.num_computed_tokens < 100:
+        time.sleep(0.001)
+    second = engine.submit(list(range(101, 201)), GenerationConfig(max_new_tokens=2), cancel, Replay([7]))
+    assert isinstance(second.outbox.get(timeout=30), TokenEvent)
+    cancel.set()
+    assert seen[:4] == [(False, 32), (False, 32), (False, 32), (False, 4)]  # 100 prompt tokens, alone
+    with_decodes = [n for decoding, n in seen[4:] if decoding]
+    assert with_decodes and max(with_decodes) <= 8
+    assert with_decodes.count(8) >= 12  # one decode token + a 7-token chunk of the second prompt
 
 
 @pytest.mark.parametrize("num_streams", [1, 8])

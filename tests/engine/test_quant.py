@@ -42,13 +42,16 @@ def test_int8_kernel_equals_the_dequantized_matmul() -> None:
     assert (dequant - lin.weight).abs().max() <= scales.max() / 2 + 1e-7  # round to nearest
     x = torch.randn(5, 64)
     torch.testing.assert_close(
-        Int8Linear(lin, torch.float32)(x), x @ dequant.T + lin.bias, atol=1e-4, rtol=1e-4
+        Int8Linear(lin, torch.float32, kernel_dtype=torch.float32)(x),
+        x @ dequant.T + lin.bias,
+        atol=1e-4,
+        rtol=1e-4,
     )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_prefill_path_equals_the_kernel_path(dtype: torch.dtype) -> None:
-    lin = Int8Linear(float_linear(96, 64, bias=True), dtype)
+    lin = Int8Linear(float_linear(96, 64, bias=True), dtype, kernel_dtype=dtype)
     x = torch.randn(MIN_ROWS_TO_DEQUANTIZE + 8, 64).to(dtype)
     dense = lin(x)  # dequantized weight, dense matmul
     rows = torch.cat([lin(x[i : i + 1]) for i in range(x.shape[0])])  # the int8 kernel

@@ -118,7 +118,11 @@ def test_batched_greedy_equals_one_at_a_time(smollm2) -> None:
     alone = ModelRunner(model, max_context=512)
     want = [alone.generate(p, config, NEVER_CANCEL, lambda e: None).token_ids for p in prompts]
     served = RealChatModel(
-        "smollm2", model, tokenizer, max_context=512, scheduler=SchedulerConfig(max_batched_tokens=64)
+        "smollm2",
+        model,
+        tokenizer,
+        max_context=512,
+        scheduler=SchedulerConfig(max_batched_tokens=64, max_prefill_tokens=64),
     )
     got: list[list[int] | None] = [None] * len(prompts)
 

@@ -50,9 +50,12 @@ class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+        # rows come out in this dtype when the table is stored narrower (None: the table's)
+        self.out_dtype: torch.dtype | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        rows = F.embedding(ids, self.weight)
+        return rows if self.out_dtype is None else rows.to(self.out_dtype)
 
 
 class Linear(nn.Module):
@@ -158,13 +161,18 @@ def load_weights(
     device: torch.device,
     dtype: torch.dtype,
     linear_dtype: torch.dtype | None,
+    overrides: Mapping[str, torch.dtype] | None = None,
+    consume: bool = False,
 ) -> None:
     """Sets each named parameter from the checkpoint tensor of the identical name.
 
     Every name must be present with the model's shape; other checkpoint names (rotary caches,
     a vision tower, a tied lm_head) are ignored. Parameters of `Linear` modules are cast to
     `linear_dtype` (None: kept as the checkpoint has them, for a quantizer to read), the rest
-    to `dtype`. A cast to the dtype a tensor already has is no copy.
+    to `dtype`, except the names in `overrides`. A cast to the dtype a tensor already has is no
+    copy. `consume` drops each tensor from `tensors` (a dict) once loaded, so a source the
+    model no longer needs (a linear after quantization) is freed at once instead of with the
+    whole checkpoint: the load's peak is then about the larger of the two, not their sum.
     """
     missing = [n for n in names if n not in tensors]
     if missing:
@@ -180,5 +188,9 @@ def load_weights(
                 f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(current.shape)}"
             )
         target = dtype if not isinstance(owner, Linear) else (linear_dtype or src.dtype)
+        target = (overrides or {}).get(name, target)
         value = src.detach().to(device=device, dtype=target)
         setattr(owner, leaf, nn.Parameter(value.contiguous(), requires_grad=False))
+        if consume:
+            del src
+            tensors.pop(name)  # type: ignore[attr-defined]

@@ -172,7 +172,7 @@ class CheckpointSource:
         from turbospark.engine.loader import load_checkpoint
 
         ckpt = load_checkpoint(self.spec, **dict(self.load_kwargs))
-        return ckpt.config, ckpt.tensors
+        return ckpt.config, dict(ckpt.tensors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -433,9 +433,13 @@ def _worker_main(rank: int, world_size: int, port: int, job: WorkerJob) -> None:
 
 
 def _build_runner(rank: int, world_size: int, device: torch.device, job: WorkerJob) -> ModelRunner:
+    from turbospark.engine.backend import _fix_mmap_threshold, _release_freed_memory
     from turbospark.engine.models import build_model
 
-    config, tensors = job.source()
+    _fix_mmap_threshold()  # as rank 0 loads: freed weights go back to the OS at once
+    config, loaded = job.source()
+    tensors = dict(loaded)  # consumed by the build, weight by weight
+    del loaded
     model = build_model(
         config,
         tensors,
@@ -443,9 +447,11 @@ def _build_runner(rank: int, world_size: int, device: torch.device, job: WorkerJ
         job.dtype,
         quant=job.quant,
         max_positions=job.max_positions,
+        consume=True,
         shard=Shard(rank, world_size),
     )
     del tensors
+    _release_freed_memory()
     return ModelRunner(
         model,
         max_context=job.max_context,

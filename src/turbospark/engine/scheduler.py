@@ -4,8 +4,12 @@ Each step is decided as `{sequence: num_tokens}` under a token budget (`max_batc
 running sequences first, in age order (a decoding sequence takes one token, a prefilling one the
 rest of its prompt up to the budget, so a long prompt is fed in chunks between other streams'
 tokens), then waiting sequences in arrival order while the budget, `max_active` and the KV cache
-allow. Admission never skips the head of the line: requests start in the order they arrived. A
-new sequence first takes every block of its prompt's prefix that is in the prefix cache.
+allow. A step with no decoding sequence in it stalls nobody's stream, so its budget is the larger
+`max_prefill_tokens`: a long prompt alone goes in big chunks, which run faster per token (on a
+2-core AVX2 CPU, Qwen2.5-0.5B: 1,024-token chunks reach 126 GFLOP/s in attention against 97 at
+256, and the matmuls gain likewise). Admission never skips the head of the line: requests start
+in the order they arrived. A new sequence first takes every block of its prompt's prefix that is
+in the prefix cache.
 
 When the KV cache cannot hold a running sequence's next tokens, the newest running sequence is
 preempted: its blocks are released (kept findable in the prefix cache), it goes back to the
@@ -39,11 +43,14 @@ class SchedulerConfig:
     max_active: int = 8  # running sequences at once
     max_waiting: int = 64  # sequences in line before new ones are refused
     max_batched_tokens: int = 256  # tokens fed per step, all sequences together
+    max_prefill_tokens: int = 1024  # the budget of a step in which no sequence decodes
     retry_after: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_active < 1 or self.max_waiting < 0 or self.max_batched_tokens < 1:
             raise ValueError("max_active and max_batched_tokens must be >= 1, max_waiting >= 0")
+        if self.max_prefill_tokens < 1:
+            raise ValueError("max_prefill_tokens must be >= 1")
 
 
 @dataclass(slots=True)
@@ -107,6 +114,8 @@ class Scheduler:
         self._finish_cancelled()
         batch = ScheduledBatch()
         budget = self.config.max_batched_tokens
+        if not any(seq.num_tokens - seq.num_computed_tokens == 1 for seq in self.running):
+            budget = max(budget, self.config.max_prefill_tokens)  # no stream to stall
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:

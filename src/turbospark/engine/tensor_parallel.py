@@ -92,8 +92,9 @@ _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 class ShardedTensors(Mapping[str, torch.Tensor]):
-    """A checkpoint's tensors as one rank sees them: each weight sliced on access (a view of a
-    memory-mapped tensor where the slice is contiguous), so no rank holds another's share."""
+    """A checkpoint's tensors as one rank sees them: each weight sliced on access and copied
+    out of the whole tensor (a view would keep the whole alive), so no rank holds another's
+    share. `pop` drops a whole tensor from the underlying dict (`load_weights(consume=True)`)."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], config: Any, shard: Shard) -> None:
         self.tensors = tensors
@@ -115,20 +116,23 @@ class ShardedTensors(Mapping[str, torch.Tensor]):
             rows = t[start : start + self.vocab_rows]
             if rows.shape[0] < self.vocab_rows:  # the last run, padded: those rows are never read
                 pad = t.new_zeros(self.vocab_rows - rows.shape[0], *t.shape[1:])
-                rows = torch.cat([rows, pad])
-            return rows
+                return torch.cat([rows, pad])
+            return rows.clone()
         owner, _, leaf = name.rpartition(".")
         for suffix, unit in _COLUMN.items():
             if owner.endswith(suffix):
                 w = self.width[unit]
-                return t[r * w : (r + 1) * w]  # weight rows or bias entries
+                return t[r * w : (r + 1) * w].clone()  # weight rows or bias entries
         for suffix, unit in _ROW.items():
             if owner.endswith(suffix):
                 if leaf == "bias":  # added once over the group: after the all-reduce it is whole
                     return t if r == 0 else torch.zeros_like(t)
                 w = self.width[unit]
-                return t[:, r * w : (r + 1) * w]
+                return t[:, r * w : (r + 1) * w].contiguous()
         return t  # norms: every rank holds them whole
+
+    def pop(self, name: str) -> torch.Tensor:
+        return self.tensors.pop(name)  # type: ignore[attr-defined,no-any-return]
 
     def __contains__(self, name: object) -> bool:
         return name in self.tensors
@@ -159,6 +163,8 @@ class VocabParallelEmbedding(Embedding):
         local = ids - self.start
         outside = (local < 0) | (local >= self.num_rows)
         x = F.embedding(local.masked_fill(outside, 0), self.weight)  # (num_tokens, hidden)
+        if self.out_dtype is not None:
+            x = x.to(self.out_dtype)
         # exact: every id is inside exactly one rank's run, the others add zeros
         return all_reduce(x.masked_fill(outside[:, None], 0), self.shard)
 

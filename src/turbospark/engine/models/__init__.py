@@ -85,6 +85,7 @@ def build_model(
     *,
     quant: str | None = None,
     max_positions: int | None = None,
+    consume: bool = False,
     shard: Shard | None = None,
 ) -> Model:
     """Builds the family's model from an HF-style config and HF-named float weights.
@@ -92,6 +93,7 @@ def build_model(
     `dtype` is the compute (activation) dtype and the dtype float weights are kept in. `quant`
     is None (float weights), "int8" or "int4" (weight-only; see `turbospark.engine.quant`).
     `max_positions` bounds the rotary table (default: the config's max_position_embeddings).
+    `consume`: `tensors` is a dict the caller gives up; each weight leaves it as it is loaded.
     `shard` builds one rank's share of a tensor-parallel model (`turbospark.engine.tensor_parallel`).
     """
     family = _family(str(config.get("model_type")))
@@ -112,7 +114,15 @@ def build_model(
     if shard is not None:
         tensor_parallel.shard_skeleton(model, shard)
     # quantized linears are read from the checkpoint's own floats: no full-size cast copy first
-    load_weights(model, model.checkpoint_names(), tensors, device, dtype, dtype if quant is None else None)
+    overrides = {}
+    embed_name = "model.embed_tokens.weight"
+    if quant is not None and dtype == torch.float32 and tensors[embed_name].dtype == torch.bfloat16:
+        # float32 activations over a bf16 checkpoint (quantized on an AVX2 CPU): the table stays
+        # bf16 (half the bytes, no digit lost), its rows are widened as they are looked up
+        overrides[embed_name] = torch.bfloat16
+        model.model.embed_tokens.out_dtype = torch.float32
+    names = model.checkpoint_names()
+    load_weights(model, names, tensors, device, dtype, dtype if quant is None else None, overrides, consume)
     # the rotary tables are computed, not loaded: built for real (float32 on CPU, as on every
     # device, so CPU and CUDA rotate identically), then moved
     model.rotary = type(model.rotary)(cfg, positions).to(device=device, dtype=dtype)

@@ -54,6 +54,10 @@ def load_model(spec: str, args: argparse.Namespace, rate: RateControl | None = N
     from turbospark.engine.embedder import is_encoder_spec, load_embedding_model
 
     if is_encoder_spec(spec):  # an encoder (BERT) folder or the packaged all-minilm-l6-v2
+        if getattr(args, "tensor_parallel", 1) > 1:
+            log.info(
+                "%s: embedding models run in one process; --tensor-parallel splits generating ones", spec
+            )
         return load_embedding_model(spec, device=args.device, dtype=args.dtype, max_context=args.max_context)
     from turbospark.engine.backend import load_backend
 
@@ -66,6 +70,7 @@ def load_model(spec: str, args: argparse.Namespace, rate: RateControl | None = N
         kv_cache_gb=getattr(args, "kv_cache_gb", None),
         scheduler=scheduler_config(args),
         rate=rate,
+        tensor_parallel=getattr(args, "tensor_parallel", 1),
     )
     return backend
 
@@ -207,6 +212,16 @@ def chat(args: argparse.Namespace) -> int:
     )
 
 
+def positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
+    return n
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="turbospark", description="Local LLM inference server")
     sub = p.add_subparsers(dest="command", required=True)
@@ -283,6 +298,14 @@ def parser() -> argparse.ArgumentParser:
         help="KV-cache budget per model in GiB (default: a fifth of free memory, at most 8)",
     )
     s.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    s.add_argument(
+        "--tensor-parallel",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="split each generating model over N processes (one GPU each on cuda, from --device's "
+        "index on; the cores shared on cpu); heads and kv heads must divide by N (default 1)",
+    )
     s.add_argument("--dtype", default=None, help="weight dtype (default: the engine's choice for the device)")
     s.add_argument("--max-context", type=int, default=None, help="cap the context length")
     s.add_argument(

@@ -101,3 +101,34 @@ def checkpoint(
     ref = reference_model(config, seed, init_std)
     tensors = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     return dict(config), tensors, ref
+
+
+# A word-level tokenizer over the tiny models' 320 ids (4 specials, then w0 .. w315) and a chat
+# template that joins the messages' texts, so a served tiny model reads and writes words.
+WORD_VOCAB = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3} | {f"w{i}": i + 4 for i in range(316)}
+WORD_CHAT_TEMPLATE = "{% for m in messages %}{{ m.content }} {% endfor %}"
+
+
+def save_folder(folder: Any, config: dict[str, Any], seed: int = 0, init_std: float = 0.02) -> Any:
+    """Writes a Hugging Face folder (config.json, model.safetensors, tokenizer.json,
+    tokenizer_config.json) of a tiny random-weight model; returns the reference model."""
+    import json
+    from pathlib import Path
+
+    import tokenizers
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg, tensors, ref = checkpoint(config, seed, init_std)
+    if cfg.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)  # saved once, as transformers does
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    hf = tokenizers.Tokenizer(tokenizers.models.WordLevel(WORD_VOCAB, unk_token="<unk>"))
+    hf.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    hf.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
+    hf.save(str(folder / "tokenizer.json"))
+    tokenizer_config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": WORD_CHAT_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return ref

@@ -39,13 +39,14 @@ from turbospark.backend import (
     ProgressCallback,
     RequestImage,
 )
-from turbospark.engine.engine import Engine
+from turbospark.engine.engine import Engine, StepRunner
 from turbospark.engine.models import Model
 from turbospark.engine.runner import ModelRunner
 from turbospark.engine.scheduler import Scheduler, SchedulerConfig
 from turbospark.ratecontrol import RateControl
 
 if TYPE_CHECKING:
+    from turbospark.engine.parallel import TensorParallelGroup
     from turbospark.tokenizer import Tokenizer
 
 log = logging.getLogger("turbospark.engine")
@@ -67,9 +68,12 @@ class RealChatModel(BackendDefaults):
         num_kv_blocks: int | None = None,
         scheduler: SchedulerConfig | None = None,
         rate: RateControl | None = None,
+        tensor_parallel: TensorParallelGroup | None = None,
     ) -> None:
         """`num_kv_blocks` sizes the KV cache (default: one full context per running sequence,
-        at most 4); the context never exceeds what the cache holds."""
+        at most 4); the context never exceeds what the cache holds. With `tensor_parallel`,
+        `model` is rank 0's shard and every engine step runs on all ranks of the group (the
+        runner's one-sequence reference path, `forward` / `generate`, is single-process only)."""
         self.model_id = model_id
         self._tokenizer = tokenizer
         scheduler = scheduler or SchedulerConfig()
@@ -84,8 +88,21 @@ class RealChatModel(BackendDefaults):
             block_size=BLOCK_SIZE,
             device=device,
         )
+        self.tensor_parallel = tensor_parallel
+        step_runner: StepRunner = self._runner
+        if tensor_parallel is not None:
+            from turbospark.engine.parallel import TensorParallelRunner
+
+            job = tensor_parallel.job
+            # the workers built their runners from the same numbers: the caches' blocks match
+            assert (job.max_context, job.num_blocks, job.block_size) == (
+                self._max_context,
+                num_kv_blocks,
+                BLOCK_SIZE,
+            ), "tensor-parallel workers were sized differently from rank 0"
+            step_runner = TensorParallelRunner(self._runner, tensor_parallel)
         self.engine = Engine(
-            self._runner,
+            step_runner,
             Scheduler(scheduler, self._runner.block_manager),
             max_context=self._max_context,
             rate=rate,
@@ -109,20 +126,14 @@ class RealChatModel(BackendDefaults):
         return self._runner
 
     def details(self) -> ModelDetails:
-        """Family, size and weight format, read off the loaded model (weights as held in memory)."""
-        from turbospark.engine.quant import Int4Linear, Int8Linear
-
+        """Family, size and weight format, read off the loaded model (weights as held in memory;
+        with tensor parallelism, every rank's shard together)."""
         model = self._runner.model
         assert isinstance(model, torch.nn.Module)
-        params = {id(p): p for p in model.parameters()}  # tied weights once
-        count = sum(p.numel() for p in params.values())
-        size = sum(p.numel() * p.element_size() for p in params.values())
-        kinds = set()
-        for m in model.modules():
-            if isinstance(m, Int8Linear | Int4Linear):
-                kinds.add("int4" if isinstance(m, Int4Linear) else "int8")
-                count += m.in_features * m.out_features
-                size += sum(b.numel() * b.element_size() for b in m.buffers())
+        count, size, kinds = weight_stats(model)
+        if self.tensor_parallel is not None:
+            count += sum(s["num_parameters"] for s in self.tensor_parallel.worker_stats)
+            size += sum(s["size_bytes"] for s in self.tensor_parallel.worker_stats)
         held = "int4" if "int4" in kinds else "int8" if kinds else str(self._runner.model.dtype)
         float_names = {"torch.float32": "F32", "torch.bfloat16": "BF16", "torch.float16": "F16"}
         return ModelDetails(
@@ -153,6 +164,28 @@ class RealChatModel(BackendDefaults):
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
             raise BackendError(f"prompt token ids must lie in [0, {self.vocab_size})")
         return self.engine.run(prompt_ids, config, cancel, on_progress)
+
+
+def weight_stats(model: torch.nn.Module, *, replicated: bool = True) -> tuple[int, int, set[str]]:
+    """(parameters, bytes, quantized kinds) of a model's weights as held in memory; without
+    `replicated`, less the norms every tensor-parallel rank holds whole (rank 0 counts them)."""
+    from turbospark.engine.layers import RMSNorm
+    from turbospark.engine.quant import Int4Linear, Int8Linear
+
+    params = {id(p): p for p in model.parameters()}  # tied weights once
+    if not replicated:
+        for m in model.modules():
+            if isinstance(m, RMSNorm):
+                params.pop(id(m.weight), None)
+    count = sum(p.numel() for p in params.values())
+    size = sum(p.numel() * p.element_size() for p in params.values())
+    kinds = set()
+    for m in model.modules():
+        if isinstance(m, Int8Linear | Int4Linear):
+            kinds.add("int4" if isinstance(m, Int4Linear) else "int8")
+            count += m.in_features * m.out_features
+            size += sum(b.numel() * b.element_size() for b in m.buffers())
+    return count, size, kinds
 
 
 def resolve_numerics(device: str, dtype: str | None, quant: str | None) -> tuple[torch.dtype, str | None]:
@@ -193,18 +226,28 @@ def load_backend(
     kv_cache_gb: float | None = None,
     scheduler: SchedulerConfig | None = None,
     rate: RateControl | None = None,
+    tensor_parallel: int = 1,
 ) -> RealChatModel:
     """Loads a checkpoint (path, hub-cache id or bundled name) and returns its backend.
 
     The context is the model's own, bounded by the KV cache (`kv_cache_gb`, default
-    `default_kv_cache_bytes`) and by `max_context` when given.
+    `default_kv_cache_bytes`) and by `max_context` when given. `tensor_parallel` > 1 splits the
+    model over that many processes (`turbospark.engine.parallel`): this one is rank 0, the
+    others are started here and stop when it does. On CPU the cores and the KV budget are shared
+    by the ranks; on CUDA each rank has its own GPU, from `device`'s index on, and the budget is
+    per GPU.
     """
     from turbospark.engine.loader import DEFAULT_MODEL, load_checkpoint
     from turbospark.engine.models import build_model
     from turbospark.tokenizer import Tokenizer
 
     torch_dtype, quant = resolve_numerics(device, dtype, quant)
+    if tensor_parallel != 1:
+        from turbospark.engine.parallel import check_devices
+
+        check_devices(device, tensor_parallel)
     _fix_mmap_threshold()
+    threads = torch.get_num_threads()
     if torch.device(device).type == "cpu":
         from turbospark.engine.cpu_kernels import cpu_kernels, set_intra_op_threads
 
@@ -218,8 +261,14 @@ def load_backend(
         load_kwargs["dtype"] = load_dtype
     ckpt = load_checkpoint(spec, **load_kwargs)
     _release_freed_memory()  # the loader's dequantization scratch, before the model's own
+    if tensor_parallel != 1:
+        from turbospark.engine.tensor_parallel import check_tensor_parallel
+
+        check_tensor_parallel(ckpt.config, tensor_parallel)
     model_max = int(ckpt.config.get("max_position_embeddings", DEFAULT_MAX_CONTEXT))
     per_token = _kv_bytes_per_token(ckpt.config, torch_dtype)
+    if torch.device(device).type == "cuda":
+        per_token //= tensor_parallel  # each GPU holds its ranks' kv heads in its own memory
     budget = int(kv_cache_gb * 2**30) if kv_cache_gb else default_kv_cache_bytes(device)
     num_kv_blocks = max(1, budget // (per_token * BLOCK_SIZE))
     context = min(max_context or model_max, model_max, num_kv_blocks * BLOCK_SIZE)
@@ -227,28 +276,59 @@ def load_backend(
         from turbospark.engine.quant import auto_quant
 
         quant = auto_quant(ckpt.tensors)
+    group = None
+    if tensor_parallel > 1:
+        from turbospark.engine.parallel import CheckpointSource, TensorParallelGroup, WorkerJob
+
+        job = WorkerJob(
+            source=CheckpointSource(spec, {**load_kwargs, "progress": False}),
+            device=device,
+            dtype=torch_dtype,
+            quant=quant,
+            max_positions=context,
+            max_context=context,
+            num_blocks=num_kv_blocks,
+            block_size=BLOCK_SIZE,
+            threads=max(1, threads // tensor_parallel),
+        )
+        group = TensorParallelGroup.launch(tensor_parallel, job)  # they load while this rank does
     tensors = dict(ckpt.tensors)
     ckpt.tensors = {}  # the model build consumes the weights one by one (a lower peak)
-    model = build_model(
-        ckpt.config, tensors, device, torch_dtype, quant=quant, max_positions=context, consume=True
-    )
-    del tensors
-    tokenizer = Tokenizer(ckpt.tokenizer, ckpt.tokenizer_config)
-    # The embedded default is served as "smollm2", the name the README's requests use (and
-    # "claude-turbospark-smollm2" for Claude Code), not as its display name SmolLM2-135M-Instruct.
-    name = DEFAULT_MODEL if spec.strip() in ("", DEFAULT_MODEL) else ckpt.name
-    del ckpt  # the float checkpoint tensors are no longer needed once the model holds its own
-    _release_freed_memory()
-    return RealChatModel(
-        name,
-        model,
-        tokenizer,
-        max_context=context,
-        device=device,
-        num_kv_blocks=num_kv_blocks,
-        scheduler=scheduler,
-        rate=rate,
-    )
+    try:
+        model = build_model(
+            ckpt.config,
+            tensors,
+            group.device if group else device,
+            torch_dtype,
+            quant=quant,
+            max_positions=context,
+            consume=True,
+            shard=group.shard if group else None,
+        )
+        del tensors
+        if group is not None:
+            group.wait_ready()
+        tokenizer = Tokenizer(ckpt.tokenizer, ckpt.tokenizer_config)
+        # The embedded default is served as "smollm2", the name the README's requests use (and
+        # "claude-turbospark-smollm2" for Claude Code), not as its display name SmolLM2-135M-Instruct.
+        name = DEFAULT_MODEL if spec.strip() in ("", DEFAULT_MODEL) else ckpt.name
+        del ckpt  # the float checkpoint tensors are no longer needed once the model holds its own
+        _release_freed_memory()
+        return RealChatModel(
+            name,
+            model,
+            tokenizer,
+            max_context=context,
+            device=group.device if group else device,
+            num_kv_blocks=num_kv_blocks,
+            scheduler=scheduler,
+            rate=rate,
+            tensor_parallel=group,
+        )
+    except BaseException:
+        if group is not None:
+            group.close()
+        raise
 
 
 def _kv_bytes_per_token(config: dict[str, Any], dtype: torch.dtype) -> int:

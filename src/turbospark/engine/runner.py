@@ -30,6 +30,23 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True)
+class StepInputs:
+    """Everything one engine step's forward reads, as plain lists: sequence i has
+    `num_cached[i]` tokens in the blocks of `block_tables[i]` and feeds `num_new[i]` new ones
+    (packed, in order, in `input_ids`); logits come back for the sequences in `sample_rows`.
+
+    This is the whole of what a tensor-parallel worker needs from rank 0 per step
+    (`turbospark.engine.parallel`): the metadata is rebuilt from it identically on every rank.
+    """
+
+    input_ids: list[int]
+    block_tables: list[list[int]]
+    num_cached: list[int]
+    num_new: list[int]
+    sample_rows: list[int]
+
+
+@dataclass(slots=True)
 class SequenceState:
     """One sequence's cache ownership on the reference path: its blocks, how many tokens are in."""
 
@@ -94,24 +111,34 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
-    @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """One forward over the step; logits (num_sampling, vocab) float32, batch order."""
+    def step_inputs(self, batch: ScheduledBatch) -> StepInputs:
+        """What one forward over the scheduled batch needs, in plain lists (see `StepInputs`)."""
         flat_ids: list[int] = []
         for seq, n in zip(batch.seqs, batch.num_new, strict=True):
             flat_ids.extend(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n])
-        meta, positions = build_attention_metadata(
-            [seq.block_table for seq in batch.seqs],
-            [seq.num_computed_tokens for seq in batch.seqs],
-            batch.num_new,
-            self.kv_cache.block_size,
-            self.device,
+        return StepInputs(
+            input_ids=flat_ids,
+            block_tables=[seq.block_table for seq in batch.seqs],
+            num_cached=[seq.num_computed_tokens for seq in batch.seqs],
+            num_new=list(batch.num_new),
+            sample_rows=[i for i, wants in enumerate(batch.samples) if wants],
         )
-        rows = [i for i, wants in enumerate(batch.samples) if wants]
-        if len(rows) != len(batch.seqs):
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """One forward over the step; logits (num_sampling, vocab) float32, batch order."""
+        return self.run_step(self.step_inputs(batch))
+
+    @torch.inference_mode()
+    def run_step(self, step: StepInputs) -> torch.Tensor:
+        """One forward over a step's inputs; logits (len(step.sample_rows), vocab) float32."""
+        meta, positions = build_attention_metadata(
+            step.block_tables, step.num_cached, step.num_new, self.kv_cache.block_size, self.device
+        )
+        rows = step.sample_rows
+        if len(rows) != len(step.num_new):
             # only sampling sequences need the lm_head: a mid-prefill chunk's logits are unused
             meta.last_token_indices = meta.last_token_indices[rows or [0]]
-        input_ids = torch.tensor(flat_ids, dtype=torch.long, device=self.device)
+        input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
         if self.graphs is not None:
             if not self._captured:
                 self.graphs.capture()  # seconds, once: on the engine thread, off the event loop

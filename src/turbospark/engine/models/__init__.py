@@ -20,9 +20,11 @@ from typing import Any, Protocol
 
 import torch
 
+from turbospark.engine import tensor_parallel
 from turbospark.engine.attention import AttentionMetadata
 from turbospark.engine.kv_cache import KVCache
 from turbospark.engine.layers import PrepareLinear, load_weights
+from turbospark.engine.tensor_parallel import Shard
 
 _NOT_FAMILIES = {"base"}  # shared code, not a model_type
 
@@ -84,6 +86,7 @@ def build_model(
     quant: str | None = None,
     max_positions: int | None = None,
     consume: bool = False,
+    shard: Shard | None = None,
 ) -> Model:
     """Builds the family's model from an HF-style config and HF-named float weights.
 
@@ -91,6 +94,7 @@ def build_model(
     is None (float weights), "int8" or "int4" (weight-only; see `turbospark.engine.quant`).
     `max_positions` bounds the rotary table (default: the config's max_position_embeddings).
     `consume`: `tensors` is a dict the caller gives up; each weight leaves it as it is loaded.
+    `shard` builds one rank's share of a tensor-parallel model (`turbospark.engine.tensor_parallel`).
     """
     family = _family(str(config.get("model_type")))
     if not hasattr(family, "CausalLM"):
@@ -100,10 +104,15 @@ def build_model(
     cfg = family.ModelConfig.from_dict(dict(config))
     device = torch.device(device)
     positions = max_positions or cfg.max_position_embeddings
+    if shard is not None:
+        tensors = tensor_parallel.ShardedTensors(tensors, cfg, shard)
+        cfg = tensor_parallel.shard_config(cfg, shard.world_size)
     # The skeleton holds no memory (meta tensors): each weight is materialized once, straight on
     # `device` in its final dtype, by `load_weights`; no float32 copy of the model exists first.
     with torch.device("meta"):
         model = family.CausalLM(cfg, positions)
+    if shard is not None:
+        tensor_parallel.shard_skeleton(model, shard)
     # quantized linears are read from the checkpoint's own floats: no full-size cast copy first
     overrides = {}
     embed_name = "model.embed_tokens.weight"
@@ -124,6 +133,8 @@ def build_model(
 
         prepare = functools.partial(quantize_linear, mode=quant, dtype=dtype)
     model.finalize(prepare)
+    if shard is not None:
+        tensor_parallel.wrap_parallel(model, shard)
     model.eval()
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     assert not left, f"never loaded: {left}"

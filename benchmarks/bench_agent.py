@@ -237,9 +237,10 @@ def gguf_for(model: str, explicit: Path | None) -> Path | None:
 def render_prompts(gguf: Path, bodies: list[dict[str, Any]]) -> list[list[int]] | None:
     """Each body's prompt ids as turbospark renders it with the GGUF's tokenizer and template."""
     try:
-        from turbospark.api.anthropic import parse_messages_request, plan_messages
+        from turbospark.api.anthropic import parse_messages_request
         from turbospark.engine.gguf_loader import GGUFFile
         from turbospark.engine.gguf_tokenizer import load_gguf_tokenizer
+        from turbospark.plan import make_plan
         from turbospark.registry import ModelRegistry
         from turbospark.scripted import ScriptedChatModel
         from turbospark.tokenizer import Tokenizer
@@ -252,7 +253,7 @@ def render_prompts(gguf: Path, bodies: list[dict[str, Any]]) -> list[list[int]] 
         out = []
         for body in bodies:
             parsed = parse_messages_request({**body, "model": "render"})
-            out.append(list(plan_messages(parsed, registry).prompt_ids))
+            out.append(list(make_plan(parsed, registry).prompt_ids))
         return out
     except Exception as exc:  # a benchmark aid: fall back to the body's own text
         print(

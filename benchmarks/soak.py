@@ -15,6 +15,11 @@ exactly the reply's first `min(limit, len(reply))` bytes, with a finish reason (
 and a token count that agree. Any other text is a mismatch: lost, torn, or mixed with another
 request's tokens.
 
+Then, unless `--real-model none`, a real model (`--real-model`, default smollm2) is served and
+each API gets `--real-requests` sampled requests, each sent twice, streamed and not: with a
+`seed` where the API has one (OpenAI chat, Ollama `options.seed`) at temperature 0.8, greedy
+where it has none (Anthropic, Responses). The streamed text must equal the non-streamed text.
+
 After the clients stop and a short settle it reads `/metrics`: running and waiting sequences
 and KV blocks held must all be back to 0. The server's RSS (VmRSS) is read after `--warmup`
 seconds and at the end; it may grow by under `--max-rss-growth` percent. Prints a summary and
@@ -49,6 +54,7 @@ REPLY = (
 )
 APIS = ("openai", "anthropic", "responses", "ollama")
 MIN_LIMIT = 16  # the Responses API's smallest max_output_tokens
+REAL_MAX_TOKENS = 40
 
 
 @dataclass
@@ -247,6 +253,80 @@ async def client(
         n += 1
 
 
+# ---- a real model: streamed text == non-streamed text for seeded / greedy requests ------------
+
+
+def real_body(api: str, model: str, prompt: str, seed: int, stream: bool) -> tuple[str, dict[str, Any]]:
+    path, body = request_for(api, model, "", REAL_MAX_TOKENS)
+    body["stream"] = stream
+    if api == "openai":
+        body.update(messages=[{"role": "user", "content": prompt}], seed=seed, temperature=0.8)
+        if not stream:
+            body.pop("stream_options")
+    elif api == "anthropic":
+        body.update(messages=[{"role": "user", "content": prompt}], temperature=0.0)
+    elif api == "responses":
+        body.update(input=prompt, temperature=0.0)
+    else:
+        body.update(messages=[{"role": "user", "content": prompt}])
+        body["options"].update(seed=seed, temperature=0.8)
+    return path, body
+
+
+def whole_text(api: str, reply: dict[str, Any]) -> str:
+    """The text of a non-streamed reply, per API."""
+    if api == "openai":
+        return reply["choices"][0]["message"]["content"] or ""
+    if api == "anthropic":
+        return "".join(b.get("text", "") for b in reply["content"] if b["type"] == "text")
+    if api == "responses":
+        return "".join(
+            c.get("text", "")
+            for item in reply["output"]
+            if item["type"] == "message"
+            for c in item["content"]
+        )
+    return reply["message"]["content"] or ""
+
+
+async def streamed_text(http: httpx.AsyncClient, api: str, path: str, body: dict[str, Any]) -> str:
+    async with http.stream("POST", path, json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+        p = Parsed()
+        async for ev in events(response, api):
+            take(api, ev, p)
+        if not p.ended:
+            raise RuntimeError("stream ended without its terminal event")
+        return "".join(p.text)
+
+
+async def real_model_check(base: str, model: str, count: int, seed: int) -> list[str]:
+    """Mismatches (empty: every streamed reply equalled its non-streamed twin)."""
+    problems = []
+    topics = ("the sea", "a lighthouse", "autumn rain", "a train at night", "mountain air", "old books")
+    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(300)) as http:
+        for api in APIS:
+            for i in range(count):
+                prompt = f"Write two sentences about {topics[i % len(topics)]}."
+                path, body = real_body(api, model, prompt, seed + i, stream=False)
+                reply = await http.post(path, json=body)
+                if reply.status_code != 200:
+                    problems.append(f"{api} #{i}: HTTP {reply.status_code}: {reply.text[:200]}")
+                    continue
+                whole = whole_text(api, reply.json())
+                path, body = real_body(api, model, prompt, seed + i, stream=True)
+                try:
+                    streamed = await streamed_text(http, api, path, body)
+                except RuntimeError as e:
+                    problems.append(f"{api} #{i}: {e}")
+                    continue
+                if streamed != whole or not whole:
+                    problems.append(f"{api} #{i}: streamed {streamed!r} != non-streamed {whole!r}")
+    return problems
+
+
 # ---- the server: metrics and memory ------------------------------------------------------------
 
 
@@ -307,6 +387,10 @@ def main() -> int:
     ap.add_argument("--settle", type=float, default=10.0, help="seconds allowed for the queue to drain")
     ap.add_argument("--max-rss-growth", type=float, default=5.0, help="percent")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--real-model", default="smollm2", help="model for the stream == non-stream check, or none"
+    )
+    ap.add_argument("--real-requests", type=int, default=4, help="pairs per API on the real model")
     args = ap.parse_args()
     if MIN_LIMIT + 2 * (args.clients - 1) <= len(REPLY):
         print("note: no client's limit exceeds the reply; stop-finished streams go unchecked")
@@ -328,6 +412,15 @@ def main() -> int:
             rss_end = rss_kib(server.proc.pid)
             log = server.log()
             status = server.terminate()
+
+    real_problems: list[str] = []
+    if args.real_model != "none":
+        print(f"\nreal model: serve --model {args.real_model}, {args.real_requests} request pairs per API")
+        with ServerProcess("--model", args.real_model) as real:
+            real_problems = asyncio.run(
+                real_model_check(real.url, args.real_model, args.real_requests, args.seed)
+            )
+            real.terminate()
 
     growth = 100.0 * (rss_end - rss_warm) / rss_warm
     total = sum(tally.by_api.values())
@@ -354,6 +447,11 @@ def main() -> int:
     )
     tracebacks = log.count("Traceback")
     print(f"server log: {tracebacks} tracebacks; exit status after SIGTERM {status}")
+    if args.real_model != "none":
+        pairs = args.real_requests * len(APIS)
+        print(f"real model {args.real_model}: {pairs - len(real_problems)}/{pairs} streamed == non-streamed")
+        for problem in real_problems:
+            print(f"  {problem}")
     if tracebacks:
         first = log.index("Traceback")
         print(log[max(0, log.rfind("\n", 0, first - 200)) : first + 3000])
@@ -371,6 +469,8 @@ def main() -> int:
         failures.append(f"RSS grew {growth:.2f}%")
     if tracebacks:
         failures.append("tracebacks in the server log")
+    if real_problems:
+        failures.append("streamed != non-streamed on the real model")
     print("RESULT: " + ("FAIL (" + ", ".join(failures) + ")" if failures else "PASS"))
     return 1 if failures else 0
 

@@ -13,6 +13,7 @@ from it with the exponential race: argmax(p / E), E ~ Exp(1), picks i with proba
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -89,9 +90,18 @@ def candidates(logits: torch.Tensor, config: GenerationConfig) -> tuple[torch.Te
     if config.top_p < 1.0:
         probs, ids = _nucleus(probs, ids, config.top_p)
     if ids is None:
-        ids = torch.arange(vocab)
+        ids = _vocab_ids(vocab)
+        if bool((probs > 0).all()):
+            return ids, probs  # nothing filtered (the usual plain-temperature case): no gathers
     keep = probs > 0
-    return ids[keep], probs[keep] / probs[keep].sum()
+    kept = probs[keep]
+    return ids[keep], kept / kept.sum()
+
+
+@functools.lru_cache(maxsize=4)
+def _vocab_ids(vocab: int) -> torch.Tensor:
+    """0..vocab-1, built once per vocabulary size (read-only: callers index it, never write)."""
+    return torch.arange(vocab)
 
 
 def _nucleus(

@@ -34,6 +34,7 @@ from turbospark.engine.loader import load_checkpoint
 from turbospark.engine.models import build_model
 from turbospark.engine.quant import auto_quant
 from turbospark.engine.runner import ModelRunner, SequenceState
+from turbospark.engine.scheduler import SchedulerConfig
 
 PROMPT_TEXT = (
     "You are reviewing a design document for a small inference server. The server loads a "
@@ -112,9 +113,10 @@ class Engine:
 
 def turbospark_engine(config: dict, tensors: dict, max_len: int, bw: float) -> Engine:
     quant = auto_quant(tensors)  # what `turbospark serve` picks for these weights
-    model = build_model(config, tensors, "cpu", torch.bfloat16, quant=quant, max_positions=max_len)
+    dtype = cpu_kernels().activation_dtype  # as the server: float32 where bf16 is emulated
+    model = build_model(config, tensors, "cpu", dtype, quant=quant, max_positions=max_len)
     runner = ModelRunner(model, max_context=max_len)
-    chunk = 256  # the serving backend's prefill chunk
+    chunk = SchedulerConfig().max_prefill_tokens  # the engine's chunk for a prompt alone
 
     def prefill(ids: list[int]) -> float:
         seq = SequenceState()

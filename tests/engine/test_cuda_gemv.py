@@ -110,6 +110,29 @@ def test_norms_inside_the_matmuls_equal_the_norm_kernel_then_the_matmul(m: int, 
         assert torch.equal(got_summed, summed) and torch.equal(qkv_summed, summed)
 
 
+def test_qkv_rotary_writes_the_cache_as_the_attention_store_does() -> None:
+    from turbospark.engine.attention import build_attention_metadata
+    from turbospark.engine.cuda_attention import CudaAttention
+
+    m, k, heads, kv_heads, head_dim, slots = 3, 256, 4, 2, 32, 64
+    x, w = randn(m, k, seed=19), randn((heads + 2 * kv_heads) * head_dim, k, seed=20) * 0.05
+    angles = torch.rand(m, 1, head_dim // 2, generator=torch.Generator().manual_seed(21))
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(DEVICE, torch.bfloat16)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1).to(DEVICE, torch.bfloat16)
+    meta, _ = build_attention_metadata([[1], [3], [2]], [4, 0, 9], [1, 1, 1], 16, DEVICE)
+    meta.slot_mapping[1] = -1  # a padding row writes nowhere
+    k_cache, v_cache = randn(kv_heads, slots, head_dim, seed=22), randn(kv_heads, slots, head_dim, seed=23)
+    k_want, v_want, k_got, v_got = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
+    qkv, _ = cuda_ops.qkv_rotary(x, w, None, cos, sin, heads + kv_heads, head_dim)
+    CudaAttention().store_kv(
+        qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :], k_want, v_want, meta
+    )
+    store = (k_got, v_got, meta.slot_mapping, heads)
+    qkv2, _ = cuda_ops.qkv_rotary(x, w, None, cos, sin, heads + kv_heads, head_dim, None, store)
+    assert torch.equal(qkv2, qkv)
+    assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+
+
 def test_sampled_rows_follow_the_distribution_and_their_seeds() -> None:
     probs = torch.tensor([0.5, 0.25, 0.125, 0.125])
     rows = 4000

@@ -100,6 +100,17 @@ class CudaAttention:
         scale: float,
     ) -> torch.Tensor:
         self.store_kv(k, v, k_cache, v_cache, meta)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """`forward` without the store: the step's keys/values are already in their slots."""
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[0]
         num_seqs = meta.seq_lens.shape[0]

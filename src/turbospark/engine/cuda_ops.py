@@ -22,10 +22,12 @@ import torch
 
 GEMV_MAX_ROWS = 4
 """Rows (tokens) at most for the small-batch matmul kernels; larger batches use cuBLAS."""
-GEMV_MAX_WEIGHT_BYTES = {1: 1 << 62, 2: 9_500_000, 4: 4_500_000}
+GEMV_MAX_WEIGHT_BYTES = {1: 32 << 20, 2: 9_500_000, 4: 4_500_000}
 """By pow2(rows): the largest weight (bytes) the small-batch kernels take; larger ones go to
-cuBLAS. Measured on an H200 (RESULTS.md): at one row the kernels match or beat cuBLAS at every
-size (up to a 1 GB lm_head); at 2 and 4 rows cuBLAS wins from about 10 MB and 5 MB."""
+cuBLAS. Measured on an H200 (RESULTS.md): at one row the kernels beat cuBLAS on a small model's
+layers (2-17 MB: launch- and tail-bound there) and only match it on large ones, where the fused
+variants lose (each program re-reads the input row); at 2 and 4 rows cuBLAS wins from about
+10 MB and 5 MB."""
 small_batch_kernels = True
 """Off: every matmul goes to cuBLAS (for A/B measurements; read when a graph is captured)."""
 fuse_norms = True
@@ -264,6 +266,13 @@ def gate_up_silu(
     return out, summed
 
 
+def stores_kv(backend: object) -> bool:
+    """True when `qkv_rotary` can write k and v into the cache of this attention backend."""
+    from turbospark.engine.cuda_attention import CudaAttention
+
+    return isinstance(backend, CudaAttention)
+
+
 def supports_qkv_rotary(head_dim: int) -> bool:
     half = head_dim // 2
     return head_dim % 2 == 0 and half == _pow2(half)
@@ -278,12 +287,15 @@ def qkv_rotary(
     rotated_heads: int,
     head_dim: int,
     norm: Norm | None = None,
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x (M, K) @ weight (heads * head_dim, K).T [+ bias] -> (M, heads, head_dim), the first
     `rotated_heads` heads rotated by cos/sin (M, 1, head_dim) as `rotary` does; small M.
 
     With `norm`, x is first replaced by norm(x + residual) inside the kernel (see `Norm`;
-    needs `fuses_norm`); returns (q/k/v, x + residual or None)."""
+    needs `fuses_norm`); returns (q/k/v, x + residual or None). With `store` = (k_cache,
+    v_cache, slot_mapping, num_heads), the k and v heads also go to the cache as
+    `CudaAttention.store_kv` writes them (then attend with `CudaAttention.attend`)."""
     m, k = x.shape
     heads = weight.shape[0] // head_dim
     out = torch.empty(m, heads, head_dim, dtype=x.dtype, device=x.device)
@@ -293,6 +305,11 @@ def qkv_rotary(
     block_p = max(1, min(half, block_n // 2))
     args, summed = _norm_args(x, norm)
     x_ptr, res, res_out, norm_w, eps, stride_xm, stride_rm, stride_rom = args
+    if store is not None:
+        k_cache, v_cache, slots, num_heads = store
+        assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    else:
+        k_cache, v_cache, slots, num_heads = out, out, out, rotated_heads
     _kernels().qkv_rotary_kernel[(heads, triton_cdiv(half, block_p))](
         x_ptr,
         res,
@@ -304,6 +321,9 @@ def qkv_rotary(
         cos,
         sin,
         out,
+        k_cache,
+        v_cache,
+        slots,
         m,
         k,
         stride_xm,
@@ -312,8 +332,12 @@ def qkv_rotary(
         weight.stride(0),
         cos.stride(0),
         out.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        NUM_HEADS=num_heads,
         ROTATED_HEADS=rotated_heads,
         HEAD_DIM=head_dim,
+        STORE_KV=store is not None,
         NORM=norm is not None,
         HAS_RESIDUAL=summed is not None,
         HAS_BIAS=bias is not None,

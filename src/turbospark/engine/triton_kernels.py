@@ -537,6 +537,9 @@ def qkv_rotary_kernel(
     cos_ptr,
     sin_ptr,
     out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
     M,
     K,
     stride_xm,
@@ -545,8 +548,12 @@ def qkv_rotary_kernel(
     stride_wn,
     stride_ct,
     stride_om,
+    stride_ch,
+    stride_cs,
+    NUM_HEADS: tl.constexpr,
     ROTATED_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    STORE_KV: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -557,7 +564,8 @@ def qkv_rotary_kernel(
     """The fused q/k/v projection with rotary on q and k, one launch: out (M, heads * HEAD_DIM)
     in the projection's own layout, heads below ROTATED_HEADS (q's and k's) rotated in the
     "rotate half" layout with sin's sign folded in, as `rotary_kernel` does. With NORM, x is the
-    norm's input (see above).
+    norm's input (see above). With STORE_KV, the k and v heads (from NUM_HEADS on) also go to
+    the cache at `slot_mapping[row]` (skipped when negative), as `store_kv_kernel` writes them.
 
     Program (h, c): head h, pairs (d, d + HALF) for d in c * BLOCK_P + [0, BLOCK_P): both rows
     of a pair are reduced by the same program, so the rotation needs no second pass.
@@ -596,6 +604,17 @@ def qkv_rotary_kernel(
     o_rows = out_ptr + offs_m[:, None] * stride_om
     tl.store(o_rows + row1[None, :], o1.to(dt), mask=mask)
     tl.store(o_rows + row2[None, :], o2.to(dt), mask=mask)
+    if STORE_KV:  # noqa: SIM102 (a compile-time branch around a runtime one)
+        if h >= NUM_HEADS:
+            slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1).to(tl.int64)
+            ok = mask & (slot >= 0)[:, None]
+            if h < ROTATED_HEADS:
+                dst = k_cache_ptr + (h - NUM_HEADS).to(tl.int64) * stride_ch
+            else:
+                dst = v_cache_ptr + (h - ROTATED_HEADS).to(tl.int64) * stride_ch
+            dst_rows = dst + slot[:, None] * stride_cs
+            tl.store(dst_rows + d[None, :], o1.to(dt), mask=ok)
+            tl.store(dst_rows + HALF + d[None, :], o2.to(dt), mask=ok)
 
 
 # ---- sampling (see `cuda_ops.sample_rows`) ----

@@ -123,19 +123,27 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
+        kv: LayerCache,
+        meta: AttentionMetadata,
         norm: cuda_ops.Norm | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """(q, k, v, summed residual) of x (num_tokens, hidden), q and k rotated; `norm` (only
-        when `fused_qkv_weight` is not None) runs the layer's input norm inside the kernel."""
+        when `fused_qkv_weight` is not None) runs the layer's input norm inside the kernel. On
+        the fused path with a CUDA cache, k and v are written to their slots by that kernel
+        too, and k comes back None (`attend` then only reads the cache)."""
         num_tokens = x.shape[0]
         rotated = self.num_heads + self.num_kv_heads
         summed = None
         fused = self.fused_qkv_weight(x)
         if fused is not None:
-            qkv, summed = cuda_ops.qkv_rotary(
-                x, fused.weight, fused.bias, *rope, rotated, self.head_dim, norm
+            store = (
+                (kv.k, kv.v, meta.slot_mapping, self.num_heads) if cuda_ops.stores_kv(kv.backend) else None
             )
-            q, k = qkv[:, : self.num_heads], qkv[:, self.num_heads : rotated]
+            qkv, summed = cuda_ops.qkv_rotary(
+                x, fused.weight, fused.bias, *rope, rotated, self.head_dim, norm, store
+            )
+            q = qkv[:, : self.num_heads]
+            k = None if store is not None else qkv[:, self.num_heads : rotated]
         else:
             assert norm is None
             qkv = self.qkv_proj(x).view(num_tokens, rotated + self.num_kv_heads, self.head_dim)
@@ -143,9 +151,18 @@ class Attention(nn.Module):
         return q, k, qkv[:, rotated:], summed
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerCache, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor,
+        kv: LayerCache,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
-        out = kv.attend(q, k, v, meta, self.scale)  # (num_tokens, num_heads * head_dim)
+        """o_proj(attention) of the step; k None: k and v are already in the cache."""
+        if k is None:
+            out = kv.backend.attend(q, kv.k, kv.v, meta, self.scale)  # type: ignore[attr-defined]
+        else:
+            out = kv.attend(q, k, v, meta, self.scale)  # (num_tokens, num_heads * head_dim)
         return self.o_proj(out)  # type: ignore[no-any-return]
 
     def forward(
@@ -156,7 +173,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         # x: (num_tokens, hidden)
-        q, k, v, _ = self.project(x, rope)
+        q, k, v, _ = self.project(x, rope, kv, meta)
         return self.attend(q, k, v, kv, meta)
 
 
@@ -228,14 +245,14 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         if (w := attn.fused_qkv_weight(x)) is not None and cuda_ops.fuses_norm(x.shape[1], w.weight):
             norm = cuda_ops.Norm(self.input_layernorm.weight, self.input_layernorm.eps, residual)
-            q, k, v, summed = attn.project(x, rope, norm)
+            q, k, v, summed = attn.project(x, rope, kv, meta, norm)
             residual = summed if summed is not None else x
         else:
             if residual is None:
                 residual, x = x, self.input_layernorm(x)
             else:
                 x, residual = self.input_layernorm.add_norm(x, residual)
-            q, k, v, _ = attn.project(x, rope)
+            q, k, v, _ = attn.project(x, rope, kv, meta)
         x = attn.attend(q, k, v, kv, meta)
         post = self.post_attention_layernorm
         if (w := mlp.fused_gate_up_weight(x)) is not None and cuda_ops.fuses_norm(x.shape[1], w.weight):

@@ -428,6 +428,36 @@ def bench_model(name: str, args: argparse.Namespace, bandwidth: float) -> dict[s
         f"graph replay alone {best['replay_ms']:.3f} ms)"
     )
 
+    for variant in filter(None, args.compare.split(",")):
+        # the same loop with part of the small-batch path off, fresh graphs
+        from turbospark.engine import cuda_ops
+
+        flag = {"cublas": "small_batch_kernels", "separate-norms": "fuse_norms"}[variant]
+        setattr(cuda_ops, flag, False)
+        try:
+            other = CudaGraphRunner(model, kv, max_blocks_per_seq=blocks_per_seq)
+            other.capture()
+            turbospark_decode(model, kv, other, prompt_ids, 32, overlap=True)
+            other_runs = [
+                turbospark_decode(model, kv, other, prompt_ids, args.decode_tokens, True) for _ in range(3)
+            ]
+        finally:
+            setattr(cuda_ops, flag, True)
+        other_best = max(other_runs, key=lambda r: r["tok_s"])
+        pairs = zip(other_best["tokens"], best["tokens"], strict=True)
+        same = next((i for i, (a, b) in enumerate(pairs) if a != b), len(best["tokens"]))
+        result[f"decode_{variant}"] = {
+            "tok_s": other_best["tok_s"],
+            "graph_replay_ms": other_best["replay_ms"],
+            "same_tokens_prefix": same,
+        }
+        log(
+            f"[{name}] same loop, {variant}: {other_best['tok_s']:.0f} tok/s "
+            f"(runs {', '.join(str(round(r['tok_s'])) for r in other_runs)}; graph replay alone "
+            f"{other_best['replay_ms']:.3f} ms; the first {same} of {len(best['tokens'])} greedy tokens "
+            "equal the default path's)"
+        )
+        del other
     if args.profile:
         profile_replay(graphs, kv, prompt_ids)
     if args.offline_seqs:
@@ -463,6 +493,12 @@ def main() -> None:
         "--skip-hf", action="store_true", help="skip transformers' decode (its compile is slow)"
     )
     parser.add_argument("--profile", action="store_true", help="print a per-kernel table of batch-1 replays")
+    parser.add_argument(
+        "--compare",
+        default="",
+        help="also run batch-1 decode with part of the small-batch path off, comma-separated: "
+        "cublas (every matmul on cuBLAS), separate-norms (RMSNorm as its own kernel)",
+    )
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
 

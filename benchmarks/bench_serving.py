@@ -23,6 +23,14 @@ a share of step time, and the mean tokens per step.
         --num-prompts 16 --input-len 128 --output-len 64
     python benchmarks/bench_serving.py --base-url http://127.0.0.1:8000 --model smollm2 \\
         --request-rate 2 --concurrency ""
+
+On a GPU with no real weights at hand, serve a random-weight folder of a real config
+(`benchmarks/random_model.py`, which says what its tokenizer is and is not):
+
+    python benchmarks/random_model.py --config llama-3.1-8b --out /tmp/rand-llama-8b
+    python benchmarks/bench_serving.py --serve "--model /tmp/rand-llama-8b --device cuda \\
+        --max-active 64 --max-waiting 512 --kv-cache-gb 24" --concurrency 64 --num-prompts 256 \\
+        --input-len 64 --output-len 256
 """
 
 from __future__ import annotations

@@ -200,6 +200,8 @@ def _sample_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Tok
         picked = (logits[greedy] if len(greedy) < len(rows) else logits).argmax(dim=-1).tolist()
         for i, token_id in zip(greedy, picked, strict=True):
             out[i] = TokenEvent(token_id=int(token_id))
+    if logits.is_cuda and any(e is None for e in out):
+        _sample_on_device(logits, rows, out)
     for i, row in enumerate(rows):
         if out[i] is None:
             ids, probs = candidates(logits[i], row.config)
@@ -217,6 +219,36 @@ def _sample_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Tok
             assert isinstance(event, TokenEvent)
             _attach_logprobs(event, logprobs[j], rows[i].config)
     return [e for e in out if e is not None]
+
+
+def _sample_on_device(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], out: list[TokenEvent | Exception | None]
+) -> None:
+    """Every row of `out` still empty, drawn on the GPU in one launch (`cuda_ops.sample_rows`):
+    the Gumbel-max form of the CPU's exponential race, with row i's noise keyed by a seed drawn
+    from its own generator, so a seed reproduces its tokens on that device. A row with top-k,
+    top-p or min-p is masked by `filter_logits` first; the others are only scaled."""
+    from turbospark.engine import cuda_ops
+
+    todo = [i for i, e in enumerate(out) if e is None]
+    vocab = logits.shape[1]
+    batch = logits[todo]  # a copy: masks below must not reach the logprobs
+    inv_temperature = []
+    for j, i in enumerate(todo):
+        c = rows[i].config
+        if (c.top_k and 0 < c.top_k < vocab) or c.min_p > 0.0 or c.top_p < 1.0:
+            batch[j] = filter_logits(logits[i], c)  # temperature applied
+            inv_temperature.append(1.0)
+        else:
+            inv_temperature.append(1.0 / max(c.temperature, 1e-5))
+    seeds = [int(torch.randint(0, 2**31 - 1, (), generator=rows[i].generator)) for i in todo]
+    picked = cuda_ops.sample_rows(
+        batch,
+        torch.tensor(inv_temperature, dtype=torch.float32).to(logits.device, non_blocking=True),
+        torch.tensor(seeds, dtype=torch.int64).to(logits.device, non_blocking=True),
+    ).tolist()
+    for i, token_id in zip(todo, picked, strict=True):
+        out[i] = TokenEvent(token_id=int(token_id))
 
 
 def _attach_logprobs(event: TokenEvent, logprobs: torch.Tensor, config: GenerationConfig) -> None:

@@ -54,3 +54,22 @@ def test_engine_on_cuda_equals_one_at_a_time(family: str) -> None:
     assert got == want
     assert engine.scheduler.num_prefix_hit_tokens > 0
     assert runner.block_manager.num_used_blocks == 0
+
+
+def test_seeded_sampling_on_cuda_reproduces() -> None:
+    cfg, tensors, _ = checkpoint(FAMILIES["qwen2"], seed=1, init_std=1.0)
+    model = build_model(cfg, tensors, "cuda", torch.bfloat16)
+    runner = ModelRunner(model, max_context=128, num_blocks=64, block_size=16, device="cuda")
+    engine = Engine(runner, Scheduler(SchedulerConfig(), runner.block_manager), max_context=128, name="cuda")
+    prompt = prompts(seed=3, num=1)[0]
+
+    def run(**kwargs: object) -> list[int]:
+        config = GenerationConfig(max_new_tokens=16, **kwargs)  # type: ignore[arg-type]
+        return engine.run(prompt, config, NEVER_CANCEL, lambda _: None).token_ids
+
+    first = run(temperature=0.9, seed=7)
+    assert run(temperature=0.9, seed=7) == first
+    assert run(temperature=0.9, seed=8) != first
+    filtered = run(temperature=0.9, seed=7, top_k=5, top_p=0.8)  # masked on the GPU first
+    assert len(filtered) == 16 and all(0 <= t < cfg["vocab_size"] for t in filtered)
+    engine.stop(wait=5.0)

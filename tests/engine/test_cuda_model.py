@@ -78,6 +78,31 @@ def test_gpu_logits_match_transformers_within_bf16_rounding(family: str) -> None
     assert our_err <= 2 * hf_err + 1e-3, (our_err, hf_err)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_decode_step_logits_match_transformers_within_bf16_rounding(family: str) -> None:
+    # the last token as a one-row decode step: the small-batch kernels (GEMV, norms and rotary
+    # fused into the matmuls) rather than the prefill's library matmuls
+    model, ref = cuda_model(family)
+    ids = random_ids(90, seed=1)
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0, -1]
+        hf_bf16 = copy.deepcopy(ref).to(device="cuda", dtype=torch.bfloat16)
+        hf_bf16.config._attn_implementation = "sdpa"
+        hf = hf_bf16(torch.tensor([ids], device="cuda")).logits[0, -1].float().cpu()
+    kv = cuda_cache(model, 16)
+    table: list[int] = []
+    assert kv.grow(table, len(ids))
+    device = torch.device("cuda")
+    with torch.inference_mode():
+        meta, positions = build_attention_metadata([table], [0], [len(ids) - 1], BLOCK_SIZE, device)
+        model(torch.tensor(ids[:-1], device=device), positions, meta, kv)
+        meta, positions = build_attention_metadata([table], [len(ids) - 1], [1], BLOCK_SIZE, device)
+        got = model(torch.tensor(ids[-1:], device=device), positions, meta, kv)[0].cpu()
+    hf_err = (hf - want).abs().max().item()
+    our_err = (got - want).abs().max().item()
+    assert our_err <= 2 * hf_err + 1e-3, (our_err, hf_err)
+
+
 def greedy(
     model, kv, step, prompts: list[list[int]], num_steps: int
 ) -> tuple[list[list[int]], list[torch.Tensor]]:

@@ -100,6 +100,17 @@ class CudaAttention:
         scale: float,
     ) -> torch.Tensor:
         self.store_kv(k, v, k_cache, v_cache, meta)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """`forward` without the store: the step's keys/values are already in their slots."""
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[0]
         num_seqs = meta.seq_lens.shape[0]
@@ -152,6 +163,7 @@ class CudaAttention:
             out.stride(0),
             out.stride(1),
             meta.block_tables.stride(0),
+            0 if is_decode else max(num_seqs - 1, 0).bit_length(),
             PAGE_SIZE=meta.block_size,
             GROUP=group,
             BLOCK_Q=block_q,
@@ -160,7 +172,6 @@ class CudaAttention:
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             NUM_SPLITS=num_splits,
-            LOG2_SEQS=0 if is_decode else max(num_seqs - 1, 0).bit_length(),
             IS_DECODE=is_decode,
             num_warps=num_warps,
             num_stages=2,

@@ -62,7 +62,9 @@ def store_kv_kernel(
     tl.store(v_cache_ptr + dst, v, mask=dmask)
 
 
-@triton.jit
+# the step's counts are plain arguments, not specialized: a new batch composition of an eager
+# step must not compile a new variant (a second of stall in a serving step)
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "log2_seqs"])
 def paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -84,6 +86,7 @@ def paged_attention_kernel(
     stride_ot,
     stride_oh,
     stride_bt,
+    log2_seqs,
     PAGE_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -92,7 +95,6 @@ def paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    LOG2_SEQS: tl.constexpr,
     IS_DECODE: tl.constexpr,
 ):
     qb = tl.program_id(0)
@@ -108,7 +110,7 @@ def paged_attention_kernel(
         # the sequence whose query blocks cover qb: largest s with start[s] // BLOCK_Q + s <= qb
         lo = qb * 0
         hi = qb * 0 + num_seqs  # invariant: the answer lies in [lo, hi)
-        for _ in range(LOG2_SEQS):
+        for _ in range(log2_seqs):
             mid = (lo + hi) // 2
             mid_start = tl.load(query_start_ptr + mid)
             go_right = mid_start // BLOCK_Q + mid <= qb
@@ -308,3 +310,339 @@ def silu_mul_kernel(gu_ptr, out_ptr, stride_g, stride_o, INTER: tl.constexpr, BL
     dt = out_ptr.dtype.element_ty
     act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # silu(gate) rounded, as its own op would
     tl.store(out_ptr + t * stride_o + cols, (act * u).to(dt), mask=mask)
+
+
+# ---- small-batch matmuls (GEMV): decode steps of 1..4 rows (see `cuda_ops.gemv`) ----
+#
+# At M = 1 a linear reads every weight once and does two flops per weight: memory-bound, and on
+# a small model each matmul is only a few microseconds, so what decides the time is how many
+# bytes each SM has in flight and how many launches a layer takes. Program p reduces BLOCK_N
+# weight rows over the whole K axis, BLOCK_K columns at a time (no split over K: a row's sum has
+# one fixed order, so a row's result does not depend on the other rows of the batch).
+# Products and sums are float32; the output is rounded once, like a library matmul's.
+#
+# The two matmuls that follow an RMSNorm (q/k/v and gate/up) can take the norm's input instead
+# of its output (NORM): every program then computes the residual add and the norm of the row
+# itself (the row is one BLOCK_K tile: hidden sizes up to BLOCK_K), rounding where
+# `rms_norm_kernel` rounds, and program 0 stores the summed residual. That is two launches
+# fewer per layer for a re-read of the (L2-resident) input row by each program.
+
+
+@triton.jit
+def _rows_dot(
+    x_rows, w_rows, m_ok, n_ok, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """(BLOCK_M, BLOCK_N) float32: x rows (pointers (BLOCK_M, 1)) dotted with w rows ((BLOCK_N, 1))."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
+def _normed_row(
+    x_ptr,
+    res_ptr,
+    res_out_ptr,
+    norm_ptr,
+    eps,
+    offs_m,
+    m_ok,
+    K,
+    stride_xm,
+    stride_rm,
+    stride_rom,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """rms_norm(x [+ residual]) * weight of BLOCK_M rows of length K <= BLOCK_K, float32 values
+    rounded as `rms_norm_kernel` rounds them; program 0 stores x + residual."""
+    offs_k = tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    mask = m_ok[:, None] & k_ok[None, :]
+    h = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+    dt = h.dtype
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :], mask=mask, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(dt)
+        first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+        tl.store(res_out_ptr + offs_m[:, None] * stride_rom + offs_k[None, :], h, mask=mask & first)
+    hf = h.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(hf * hf, axis=1) / K + eps)
+    normed = (hf * inv[:, None]).to(dt).to(tl.float32)
+    w = tl.load(norm_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    return (normed * w[None, :]).to(dt).to(tl.float32)
+
+
+@triton.jit
+def _pair_dot(
+    x_ptr,
+    res_ptr,
+    res_out_ptr,
+    norm_ptr,
+    eps,
+    wa_rows,
+    wb_rows,
+    M,
+    K,
+    stride_xm,
+    stride_rm,
+    stride_rom,
+    n_ok,
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Two (BLOCK_M, BLOCK_N) float32 results: x (or, with NORM, the normed x + residual) dotted
+    with two sets of weight rows, both tiles in flight per step."""
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_k = tl.arange(0, BLOCK_K)
+    acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if NORM:  # the row is one tile (K <= BLOCK_K)
+        k_ok = offs_k < K
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        a = tl.load(wa_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        b = tl.load(wb_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        x = _normed_row(
+            x_ptr, res_ptr, res_out_ptr, norm_ptr, eps, offs_m, m_ok, K, stride_xm, stride_rm, stride_rom,
+            HAS_RESIDUAL, BLOCK_K,
+        )  # fmt: skip
+        acc_a += tl.sum(x[:, None, :] * a[None, :, :], axis=2)
+        acc_b += tl.sum(x[:, None, :] * b[None, :, :], axis=2)
+    else:
+        x_rows = x_ptr + offs_m[:, None] * stride_xm
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            k_ok = k < K
+            w_mask = n_ok[:, None] & k_ok[None, :]
+            a = tl.load(wa_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            b = tl.load(wb_rows + k[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc_a += tl.sum(x[:, None, :] * a[None, :, :], axis=2)
+            acc_b += tl.sum(x[:, None, :] * b[None, :, :], axis=2)
+    return acc_a, acc_b
+
+
+@triton.jit
+def gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out (M, N) = x (M, K) @ w (N, K).T [+ b]; program p: output columns p * BLOCK_N + ..."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    acc = _rows_dot(
+        x_ptr + offs_m[:, None] * stride_xm,
+        w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn,
+        m_ok,
+        n_ok,
+        K,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+    )
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
+
+
+@triton.jit
+def gate_up_silu_kernel(
+    x_ptr,
+    res_ptr,
+    res_out_ptr,
+    norm_ptr,
+    eps,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    INTER,
+    K,
+    stride_xm,
+    stride_rm,
+    stride_rom,
+    stride_wn,
+    stride_om,
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The gated MLP's first half in one launch: w (2 * INTER, K) is gate rows then up rows;
+    out (M, INTER) = silu(x @ gate.T) * (x @ up.T), rounded where the unfused ops round (each
+    projection's output, silu's output, the product). With NORM, x is the norm's input (see
+    above)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_ok = offs_n < INTER
+    m_ok = offs_m < M
+    gate_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    g, u = _pair_dot(
+        x_ptr, res_ptr, res_out_ptr, norm_ptr, eps, gate_rows, gate_rows + INTER * stride_wn, M, K,
+        stride_xm, stride_rm, stride_rom, n_ok, NORM, HAS_RESIDUAL, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    if HAS_BIAS:
+        g += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        u += tl.load(b_ptr + INTER + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    dt = out_ptr.dtype.element_ty
+    g = g.to(dt).to(tl.float32)
+    u = u.to(dt).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+        (act * u).to(dt),
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
+
+
+@triton.jit
+def qkv_rotary_kernel(
+    x_ptr,
+    res_ptr,
+    res_out_ptr,
+    norm_ptr,
+    eps,
+    w_ptr,
+    b_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_rm,
+    stride_rom,
+    stride_wn,
+    stride_ct,
+    stride_om,
+    stride_ch,
+    stride_cs,
+    NUM_HEADS: tl.constexpr,
+    ROTATED_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    STORE_KV: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The fused q/k/v projection with rotary on q and k, one launch: out (M, heads * HEAD_DIM)
+    in the projection's own layout, heads below ROTATED_HEADS (q's and k's) rotated in the
+    "rotate half" layout with sin's sign folded in, as `rotary_kernel` does. With NORM, x is the
+    norm's input (see above). With STORE_KV, the k and v heads (from NUM_HEADS on) also go to
+    the cache at `slot_mapping[row]` (skipped when negative), as `store_kv_kernel` writes them.
+
+    Program (h, c): head h, pairs (d, d + HALF) for d in c * BLOCK_P + [0, BLOCK_P): both rows
+    of a pair are reduced by the same program, so the rotation needs no second pass.
+    """
+    HALF: tl.constexpr = HEAD_DIM // 2
+    h = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    d_ok = d < HALF
+    row1 = h * HEAD_DIM + d
+    row2 = row1 + HALF
+    x1, x2 = _pair_dot(
+        x_ptr, res_ptr, res_out_ptr, norm_ptr, eps,
+        w_ptr + row1.to(tl.int64)[:, None] * stride_wn, w_ptr + row2.to(tl.int64)[:, None] * stride_wn,
+        M, K, stride_xm, stride_rm, stride_rom, d_ok, NORM, HAS_RESIDUAL, BLOCK_M, BLOCK_P, BLOCK_K,
+    )  # fmt: skip
+    if HAS_BIAS:
+        x1 += tl.load(b_ptr + row1, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        x2 += tl.load(b_ptr + row2, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    dt = out_ptr.dtype.element_ty
+    x1 = x1.to(dt).to(tl.float32)  # the projection's output, rounded
+    x2 = x2.to(dt).to(tl.float32)
+    mask = m_ok[:, None] & d_ok[None, :]
+    if h < ROTATED_HEADS:
+        c_rows = offs_m[:, None] * stride_ct
+        c1 = tl.load(cos_ptr + c_rows + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + c_rows + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + c_rows + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + c_rows + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        o1 = (x1 * c1).to(dt).to(tl.float32) + (x2 * s1).to(dt).to(tl.float32)
+        o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+    else:
+        o1 = x1
+        o2 = x2
+    o_rows = out_ptr + offs_m[:, None] * stride_om
+    tl.store(o_rows + row1[None, :], o1.to(dt), mask=mask)
+    tl.store(o_rows + row2[None, :], o2.to(dt), mask=mask)
+    if STORE_KV:  # noqa: SIM102 (a compile-time branch around a runtime one)
+        if h >= NUM_HEADS:
+            slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=-1).to(tl.int64)
+            ok = mask & (slot >= 0)[:, None]
+            if h < ROTATED_HEADS:
+                dst = k_cache_ptr + (h - NUM_HEADS).to(tl.int64) * stride_ch
+            else:
+                dst = v_cache_ptr + (h - ROTATED_HEADS).to(tl.int64) * stride_ch
+            dst_rows = dst + slot[:, None] * stride_cs
+            tl.store(dst_rows + d[None, :], o1.to(dt), mask=ok)
+            tl.store(dst_rows + HALF + d[None, :], o2.to(dt), mask=ok)
+
+
+# ---- sampling (see `cuda_ops.sample_rows`) ----
+
+
+@triton.jit
+def gumbel_argmax_kernel(logits_ptr, inv_temp_ptr, seed_ptr, out_ptr, vocab, stride_row, BLOCK: tl.constexpr):
+    """Program r: argmax over the vocabulary of logits * inv_temp - log(-log(u)), u uniform from
+    Philox keyed by row r's own seed: a draw from softmax(logits * inv_temp) (the Gumbel-max form
+    of the exponential race the CPU sampler runs). -inf logits never win."""
+    r = tl.program_id(0).to(tl.int64)
+    seed = tl.load(seed_ptr + r)
+    inv_temp = tl.load(inv_temp_ptr + r)
+    row = logits_ptr + r * stride_row
+    offs = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    best_idx = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, vocab, BLOCK):
+        cols = start + offs
+        ok = cols < vocab
+        x = tl.load(row + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        u = tl.rand(seed, cols)
+        u = tl.maximum(u, 1e-20)  # -log(u) stays finite
+        score = x * inv_temp - tl.log(-tl.log(u))
+        score = tl.where(ok, score, float("-inf"))
+        better = score > best
+        best = tl.where(better, score, best)
+        best_idx = tl.where(better, cols, best_idx)
+    winner = tl.argmax(best, axis=0)
+    pick = tl.sum(tl.where(offs == winner, best_idx, 0), axis=0)
+    tl.store(out_ptr + r, pick)

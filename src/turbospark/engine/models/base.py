@@ -24,6 +24,7 @@ from typing import Any, Self
 import torch
 from torch import nn
 
+from turbospark.engine import cuda_ops
 from turbospark.engine.attention import AttentionMetadata
 from turbospark.engine.kv_cache import KVCache, LayerCache
 from turbospark.engine.layers import (
@@ -104,6 +105,66 @@ class Attention(nn.Module):
         qk = apply_rotary(qk, *rope)
         return qk[:, : self.num_heads], qk[:, self.num_heads :]
 
+    def fused_qkv_weight(self, x: torch.Tensor) -> Linear | None:
+        """The q/k/v projection when this step takes the fused small-batch kernel (projection,
+        bias and rotary in one launch: a CUDA decode batch of a few rows, no q/k norms)."""
+        proj = self.qkv_proj
+        if (
+            x.is_cuda
+            and type(self).rotate_qk is Attention.rotate_qk
+            and isinstance(proj, Linear)
+            and cuda_ops.supports_qkv_rotary(self.head_dim)
+            and cuda_ops.use_gemv(x, proj.weight)
+        ):
+            return proj
+        return None
+
+    def project(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: LayerCache,
+        meta: AttentionMetadata,
+        norm: cuda_ops.Norm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """(q, k, v, summed residual) of x (num_tokens, hidden), q and k rotated; `norm` (only
+        when `fused_qkv_weight` is not None) runs the layer's input norm inside the kernel. On
+        the fused path with a CUDA cache, k and v are written to their slots by that kernel
+        too, and k comes back None (`attend` then only reads the cache)."""
+        num_tokens = x.shape[0]
+        rotated = self.num_heads + self.num_kv_heads
+        summed = None
+        fused = self.fused_qkv_weight(x)
+        if fused is not None:
+            store = (
+                (kv.k, kv.v, meta.slot_mapping, self.num_heads) if cuda_ops.stores_kv(kv.backend) else None
+            )
+            qkv, summed = cuda_ops.qkv_rotary(
+                x, fused.weight, fused.bias, *rope, rotated, self.head_dim, norm, store
+            )
+            q = qkv[:, : self.num_heads]
+            k = None if store is not None else qkv[:, self.num_heads : rotated]
+        else:
+            assert norm is None
+            qkv = self.qkv_proj(x).view(num_tokens, rotated + self.num_kv_heads, self.head_dim)
+            q, k = self.rotate_qk(qkv[:, :rotated], rope)
+        return q, k, qkv[:, rotated:], summed
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor,
+        kv: LayerCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """o_proj(attention) of the step; k None: k and v are already in the cache."""
+        if k is None:
+            out = kv.backend.attend(q, kv.k, kv.v, meta, self.scale)  # type: ignore[attr-defined]
+        else:
+            out = kv.attend(q, k, v, meta, self.scale)  # (num_tokens, num_heads * head_dim)
+        return self.o_proj(out)  # type: ignore[no-any-return]
+
     def forward(
         self,
         x: torch.Tensor,
@@ -112,12 +173,8 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         # x: (num_tokens, hidden)
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        q, k = self.rotate_qk(qkv[:, : self.num_heads + self.num_kv_heads], rope)
-        v = qkv[:, self.num_heads + self.num_kv_heads :]
-        out = kv.attend(q, k, v, meta, self.scale)  # (num_tokens, num_heads * head_dim)
-        return self.o_proj(out)  # type: ignore[no-any-return]
+        q, k, v, _ = self.project(x, rope, kv, meta)
+        return self.attend(q, k, v, kv, meta)
 
 
 class MLP(nn.Module):
@@ -137,9 +194,27 @@ class MLP(nn.Module):
         self.down_proj = prepare(self.down_proj, "down_proj")
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def fused_gate_up_weight(self, x: torch.Tensor) -> Linear | None:
+        """The gate/up projection when this step takes the fused small-batch kernel (both
+        projections and silu * up in one launch: a CUDA decode batch of a few rows)."""
+        proj = self.gate_up_proj
+        if x.is_cuda and isinstance(proj, Linear) and cuda_ops.use_gemv(x, proj.weight):
+            return proj
+        return None
+
+    def gated(
+        self, x: torch.Tensor, norm: cuda_ops.Norm | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(silu(gate(x)) * up(x), summed residual); `norm` as in `Attention.project`."""
+        fused = self.fused_gate_up_weight(x)
+        if fused is not None:
+            return cuda_ops.gate_up_silu(x, fused.weight, fused.bias, norm)
+        assert norm is None
         # gate_up: (num_tokens, 2 * inter); one fused kernel on CUDA
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.intermediate_size))  # type: ignore[no-any-return]
+        return silu_and_mul(self.gate_up_proj(x), self.intermediate_size), None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gated(x)[0])  # type: ignore[no-any-return]
 
 
 class DecoderLayer(nn.Module):
@@ -162,13 +237,30 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The hidden state is x + residual (residual None: x alone, the first layer); returns
-        the next layer's (x, residual)."""
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
+        the next layer's (x, residual).
+
+        On small CUDA decode batches each norm runs inside the fused matmul after it (q/k/v,
+        gate/up: `cuda_ops.Norm`), where the row fits one tile; elsewhere it is its own kernel.
+        """
+        attn, mlp = self.self_attn, self.mlp
+        if (w := attn.fused_qkv_weight(x)) is not None and cuda_ops.fuses_norm(x.shape[1], w.weight):
+            norm = cuda_ops.Norm(self.input_layernorm.weight, self.input_layernorm.eps, residual)
+            q, k, v, summed = attn.project(x, rope, kv, meta, norm)
+            residual = summed if summed is not None else x
         else:
-            x, residual = self.input_layernorm.add_norm(x, residual)
-        x, residual = self.post_attention_layernorm.add_norm(self.self_attn(x, rope, kv, meta), residual)
-        return self.mlp(x), residual
+            if residual is None:
+                residual, x = x, self.input_layernorm(x)
+            else:
+                x, residual = self.input_layernorm.add_norm(x, residual)
+            q, k, v, _ = attn.project(x, rope, kv, meta)
+        x = attn.attend(q, k, v, kv, meta)
+        post = self.post_attention_layernorm
+        if (w := mlp.fused_gate_up_weight(x)) is not None and cuda_ops.fuses_norm(x.shape[1], w.weight):
+            act, summed = mlp.gated(x, cuda_ops.Norm(post.weight, post.eps, residual))
+            assert summed is not None
+            return mlp.down_proj(act), summed
+        x, residual = post.add_norm(x, residual)
+        return mlp(x), residual
 
 
 class Model(nn.Module):
@@ -224,5 +316,7 @@ class CausalLM(nn.Module):
             x, residual = layer(x, residual, rope, kv_cache.layer(i), meta)
         last = meta.last_token_indices
         assert residual is not None
-        h, _ = self.model.norm.add_norm(x[last], residual[last])  # (num_seqs, hidden)
+        if last.shape[0] != x.shape[0]:  # else one token per sequence (decodes): all are last
+            x, residual = x[last], residual[last]
+        h, _ = self.model.norm.add_norm(x, residual)  # (num_seqs, hidden)
         return self.lm_head(h).float()  # type: ignore[no-any-return]

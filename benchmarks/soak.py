@@ -16,9 +16,12 @@ and a token count that agree. Any other text is a mismatch: lost, torn, or mixed
 request's tokens.
 
 Then, unless `--real-model none`, a real model (`--real-model`, default smollm2) is served and
-each API gets `--real-requests` sampled requests, each sent twice, streamed and not: with a
-`seed` where the API has one (OpenAI chat, Ollama `options.seed`) at temperature 0.8, greedy
-where it has none (Anthropic, Responses). The streamed text must equal the non-streamed text.
+each API gets `--real-requests` sampled requests, each sent streamed and not: with a `seed`
+where the API has one (OpenAI chat, Ollama `options.seed`) at temperature 0.8, greedy where it
+has none (Anthropic, Responses). Each prompt is sent once before the pair, so both meet the same
+prefix cache (a prompt's tail recomputed after a cache hit rounds differently from the same
+tokens inside a whole-prompt chunk on the quantized CPU path). The streamed text must equal the
+non-streamed text.
 
 After the clients stop and a short settle it reads `/metrics`: running and waiting sequences
 and KV blocks held must all be back to 0. The server's RSS (VmRSS) is read after `--warmup`
@@ -311,6 +314,10 @@ async def real_model_check(base: str, model: str, count: int, seed: int) -> list
             for i in range(count):
                 prompt = f"Write two sentences about {topics[i % len(topics)]}."
                 path, body = real_body(api, model, prompt, seed + i, stream=False)
+                # once first, so both compared requests meet the same prefix cache: a cold
+                # prompt is computed in one chunk, a warm one only past its cached blocks, and
+                # the quantized CPU matmuls do not round the same for a different row count
+                await http.post(path, json=body)
                 reply = await http.post(path, json=body)
                 if reply.status_code != 200:
                     problems.append(f"{api} #{i}: HTTP {reply.status_code}: {reply.text[:200]}")

@@ -9,7 +9,15 @@ requests reuse the cached prefix.
 The session asks for a shell command. Whether a 0.5B model picks the Bash tool is its own
 choice (Claude Code samples, so it varies run to run): the test holds that the session
 completes with a result, and, when the model did call the tool, that the command really ran and
-its output came back to the model (the next request carries it as a tool_result).
+its output came back to the model (the next request carries it as a tool_result). In the runs
+written down in benchmarks/RESULTS.md it did not: it answered with a JSON block naming a tool
+that does not exist, which the server passes on as text (no valid call to emit).
+
+The first turn took 244-262 s to its first token on a 2-core AVX2 machine, inside Claude Code's
+default 300 s stream-idle limit but not by much; the test raises that limit
+(`CLAUDE_STREAM_IDLE_TIMEOUT_MS`, as the README advises for slower machines) so a slower or
+busier CI machine checks the session's correctness, not its speed. The timing is
+`benchmarks/bench_agent.py`'s job.
 """
 
 from __future__ import annotations
@@ -121,6 +129,7 @@ def test_claude_code_session_on_qwen_05b_with_default_flags(
         "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1",
         "ANTHROPIC_BASE_URL": url,
         "ANTHROPIC_API_KEY": "local",
+        "CLAUDE_STREAM_IDLE_TIMEOUT_MS": str(CLAUDE_TIMEOUT_S * 1000),
     }
     started = time.monotonic()
     done = subprocess.run(

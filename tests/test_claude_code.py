@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import threading
 from collections.abc import Sequence
@@ -29,16 +28,6 @@ API_KEY = "turbospark-test-key"
 # Claude Code's system prompt and ~25 tool schemas come to ~80k bytes; the scripted tokenizer
 # spends one token per byte.
 MAX_CONTEXT = 262144
-
-
-@pytest.fixture
-def claude() -> str:
-    path = shutil.which("claude")
-    if path is None:
-        if os.environ.get("TURBOSPARK_REQUIRE_CLAUDE"):
-            pytest.fail("TURBOSPARK_REQUIRE_CLAUDE is set but `claude` is not on PATH")
-        pytest.skip("Claude Code CLI (`claude`) is not installed")
-    return path
 
 
 def run_claude(

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,9 +33,8 @@ from typing import Any
 import httpx
 import pytest
 
-import turbospark
 from turbospark.engine.pull import pulled_path
-from turbospark.testing import free_port
+from turbospark.testing import ServerProcess
 
 MODEL = "qwen2.5-coder:0.5b"
 MARKER = "turbospark-notes-4711"
@@ -55,51 +52,11 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def claude() -> str:
-    path = shutil.which("claude")
-    if path is None:
-        if os.environ.get("TURBOSPARK_REQUIRE_CLAUDE"):
-            pytest.fail("TURBOSPARK_REQUIRE_CLAUDE is set but `claude` is not on PATH")
-        pytest.skip("Claude Code CLI (`claude`) is not installed")
-    return path
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def server() -> Iterator[ServerProcess]:
     """`turbospark serve --model qwen2.5-coder:0.5b` on a free loopback port, no other flag."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(Path(turbospark.__file__).parents[1]), env.get("PYTHONPATH")) if p
-    )
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "turbospark", "serve", "--model", MODEL, "--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert process.poll() is None, log.read_text(errors="replace")[-3000:]
-            assert time.monotonic() < deadline, "no 200 from /health in 300 s"
-            try:
-                if httpx.get(url + "/health", timeout=10).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        yield url, log
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    cache = {k: os.environ[k] for k in ("HOME", "TURBOSPARK_CACHE", "XDG_CACHE_HOME") if k in os.environ}
+    with ServerProcess("--model", MODEL, env=cache) as served:
+        yield served
 
 
 def metric(url: str, name: str) -> float:
@@ -112,9 +69,9 @@ def metric(url: str, name: str) -> float:
 
 
 def test_claude_code_session_on_qwen_05b_with_default_flags(
-    claude: str, server: tuple[str, Path], tmp_path: Path
+    claude: str, server: ServerProcess, tmp_path: Path
 ) -> None:
-    url, log = server
+    url = server.url
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir()
     work.mkdir()
@@ -153,7 +110,7 @@ def test_claude_code_session_on_qwen_05b_with_default_flags(
     )
     elapsed = time.monotonic() - started
     lines = done.stdout.strip().splitlines()
-    server_log = log.read_text(errors="replace")[-3000:]
+    server_log = server.log()[-3000:]
     assert lines, f"claude printed nothing (exit {done.returncode}): {done.stderr[-2000:]}\n{server_log}"
     result: dict[str, Any] = json.loads(lines[-1])
     print(json.dumps({"elapsed_s": round(elapsed, 1), **result})[:3000])  # the transcript's summary

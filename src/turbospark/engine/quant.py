@@ -84,6 +84,16 @@ def _dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
 FBGEMM_FP16_BLOCK_ROWS = 512  # fbgemm pads the packed matrix's input dimension to this multiple
 
 
+def will_pack(weight: torch.Tensor, max_padding: float = float("inf")) -> bool:
+    """Whether `pack_half` packs this weight (ask first: building its float copy can cost more
+    memory than the packed copy, e.g. 113 MB for SmolLM2's tied lm_head, which is not packed)."""
+    if weight.device.type != "cpu" or not cpu_kernels().packed_half:
+        return False
+    in_features = weight.shape[1]
+    padded = -(-in_features // FBGEMM_FP16_BLOCK_ROWS) * FBGEMM_FP16_BLOCK_ROWS
+    return padded <= max_padding * in_features
+
+
 def pack_half(
     weight: torch.Tensor, bias: torch.Tensor | None, max_padding: float = float("inf")
 ) -> torch.ScriptObject | None:
@@ -91,11 +101,7 @@ def pack_half(
     CPU profile does not use it (native bf16, no fbgemm), the weight is not on the CPU, or the
     packed copy would be more than `max_padding` times the fp16 size (fbgemm pads the input
     dimension to a multiple of 512: SmolLM2's 576 becomes 1,024, 1.78x)."""
-    if weight.device.type != "cpu" or not cpu_kernels().packed_half:
-        return None
-    in_features = weight.shape[1]
-    padded = -(-in_features // FBGEMM_FP16_BLOCK_ROWS) * FBGEMM_FP16_BLOCK_ROWS
-    if padded > max_padding * in_features:
+    if not will_pack(weight, max_padding):
         return None
     b = None if bias is None else bias.float()
     packed: torch.ScriptObject = torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), b)
@@ -138,7 +144,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.data.to(dtype))
         # the packed copy holds the int8 codes themselves (exact in fp16); the row scales and the
         # bias are applied to its float32 output, so both paths compute with the same weight
-        self.packed = pack_half(q.float(), None, max_padding)
+        self.packed = pack_half(q, None, max_padding)  # widened to float only if packed
         self.out_scales = scales  # (out,) float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -192,7 +198,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("nibbles", pairs[..., 0] | (pairs[..., 1] << 4))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.data.to(dtype))
         # the packed copy holds what the int4 kernel computes with, so both paths agree
-        self.packed = pack_half(self.dequantize(torch.float32), self.bias)
+        self.packed = pack_half(self.dequantize(torch.float32), self.bias) if will_pack(codes) else None
         if self.packed is not None:
             del self.nibbles  # the packed copy replaces the expansion path
             self.register_buffer("nibbles", None)

@@ -42,28 +42,8 @@ from typing import Any
 
 import torch
 
-LLAMA31_8B: dict[str, Any] = {
-    "model_type": "llama",
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-    "max_position_embeddings": 131072,
-    "tie_word_embeddings": False,
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-}
+from bench_gpu import LLAMA31_8B  # the same config the single-GPU benchmark measures
+
 TINY: dict[str, Any] = {
     **LLAMA31_8B,
     "vocab_size": 512,

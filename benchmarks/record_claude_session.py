@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import tempfile
@@ -36,7 +35,7 @@ from turbospark.backend import CancelFlag, CompletionResult, GenerationConfig, P
 from turbospark.registry import ModelRegistry
 from turbospark.scripted import ScriptedChatModel
 from turbospark.server import create_app
-from turbospark.testing import free_port
+from turbospark.testing import claude_env, free_port
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "data" / "claude_code_session.json"
 MODEL = "claude-turbospark-local"
@@ -125,17 +124,7 @@ def label_of(body: dict[str, Any], user_turn: int) -> tuple[str, int]:
 
 
 def run_claude(claude: str, url: str, home: Path, work: Path, prompt: str, *extra: str) -> dict[str, Any]:
-    env = {
-        "PATH": os.environ["PATH"],
-        "HOME": str(home),
-        "DISABLE_TELEMETRY": "1",
-        "DISABLE_AUTOUPDATER": "1",
-        "DISABLE_ERROR_REPORTING": "1",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1",
-        "ANTHROPIC_BASE_URL": url,
-        "ANTHROPIC_API_KEY": API_KEY,
-    }
+    env = claude_env(home, url, API_KEY)
     cmd = [claude, "-p", prompt, "--model", MODEL, "--output-format", "json", *extra]
     done = subprocess.run(
         cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=180

@@ -9,7 +9,6 @@ stream fails the run instead of being retried without streaming. These tests ski
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import threading
 from collections.abc import Sequence
@@ -20,7 +19,7 @@ import pytest
 
 from turbospark.backend import CancelFlag, CompletionResult, GenerationConfig, ProgressCallback, RequestImage
 from turbospark.scripted import ScriptedChatModel
-from turbospark.testing import LiveServer
+from turbospark.testing import LiveServer, claude_env
 
 pytestmark = pytest.mark.claude
 
@@ -43,21 +42,7 @@ def run_claude(
     work = tmp_path / "work"
     home.mkdir(exist_ok=True)
     work.mkdir(exist_ok=True)
-    env = {
-        "PATH": os.environ["PATH"],
-        "HOME": str(home),
-        "DISABLE_TELEMETRY": "1",
-        "DISABLE_AUTOUPDATER": "1",
-        "DISABLE_ERROR_REPORTING": "1",
-        "ANTHROPIC_BASE_URL": server.url,
-        "ANTHROPIC_API_KEY": API_KEY,
-        "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1",
-    }
-    if discovery:
-        # Discovery only runs with non-essential traffic allowed; telemetry stays off.
-        env["CLAUDE_CODE_ENABLE_GATEWAY_MODEL_DISCOVERY"] = "1"
-    else:
-        env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] = "1"
+    env = claude_env(home, server.url, API_KEY, discovery=discovery)
     done = subprocess.run(
         [claude, "-p", prompt, "--model", model, "--output-format", "json", *extra],
         cwd=work,

@@ -34,7 +34,7 @@ import httpx
 import pytest
 
 from turbospark.engine.pull import pulled_path
-from turbospark.testing import ServerProcess
+from turbospark.testing import ServerProcess, claude_env
 
 MODEL = "qwen2.5-coder:0.5b"
 MARKER = "turbospark-notes-4711"
@@ -76,18 +76,8 @@ def test_claude_code_session_on_qwen_05b_with_default_flags(
     home.mkdir()
     work.mkdir()
     (work / "notes.txt").write_text(f"{MARKER}\n")
-    env = {
-        "PATH": os.environ["PATH"],
-        "HOME": str(home),
-        "DISABLE_TELEMETRY": "1",
-        "DISABLE_AUTOUPDATER": "1",
-        "DISABLE_ERROR_REPORTING": "1",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1",
-        "ANTHROPIC_BASE_URL": url,
-        "ANTHROPIC_API_KEY": "local",
-        "CLAUDE_STREAM_IDLE_TIMEOUT_MS": str(CLAUDE_TIMEOUT_S * 1000),
-    }
+    env = claude_env(home, url, "local")
+    env["CLAUDE_STREAM_IDLE_TIMEOUT_MS"] = str(CLAUDE_TIMEOUT_S * 1000)
     started = time.monotonic()
     done = subprocess.run(
         [

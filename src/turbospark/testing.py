@@ -137,3 +137,25 @@ class ServerProcess:
         self.proc.wait()
         self._log.close()
         os.unlink(self._log.name)
+
+
+def claude_env(home: Path, base_url: str, api_key: str, *, discovery: bool = False) -> dict[str, str]:
+    """The environment for a headless Claude Code run against `base_url`: a throwaway HOME,
+    telemetry, auto-update and error reports off, and the non-streaming fallback off (so a broken
+    stream fails the run instead of being retried without streaming). Non-essential traffic is
+    off too, unless `discovery` (the gateway's model discovery needs it; telemetry stays off)."""
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(home),
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+        "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1",
+        "ANTHROPIC_BASE_URL": base_url,
+        "ANTHROPIC_API_KEY": api_key,
+    }
+    if discovery:
+        env["CLAUDE_CODE_ENABLE_GATEWAY_MODEL_DISCOVERY"] = "1"
+    else:
+        env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] = "1"
+    return env

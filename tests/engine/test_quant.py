@@ -99,7 +99,7 @@ def test_packed_int4_path_computes_with_the_kernels_weight(rows: int) -> None:
     """Many rows of an int4 linear go through the packed fp16 copy of the very weight the int4
     kernel holds (codes and bf16 scales / zeros): equal to that weight's float32 product."""
     lin = float_linear(64, 128, bias=True)
-    layer = Int4Linear(lin, torch.float32, 32)
+    layer = Int4Linear(lin, torch.float32, 32, native_rows=0)  # rows that the native kernels leave
     assert layer.packed is not None and layer.nibbles is None  # the packed copy replaced them
     codes, sz = quantize_int4(lin.weight.data, 32, torch.bfloat16)
     sz = sz.float().transpose(0, 1)  # (out, groups, 2)
@@ -113,7 +113,7 @@ def test_packed_int4_path_computes_with_the_kernels_weight(rows: int) -> None:
 @needs_packed
 def test_packed_int8_path_is_exact_and_agrees_with_the_kernel() -> None:
     lin = float_linear(64, 96, bias=True)
-    layer = Int8Linear(lin, torch.float32)
+    layer = Int8Linear(lin, torch.float32, native_rows=0)  # rows that the native kernels leave
     q, scales = quantize_int8(lin.weight.data)
     x = torch.randn(16, 96)
     # the int8 codes are exact in fp16 and the scales are applied in float32 afterwards

@@ -25,6 +25,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from turbospark.engine import native
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -204,6 +206,15 @@ def _chunk_mask(cached: int, kv_len: int, device: torch.device) -> torch.Tensor:
     return torch.arange(kv_len, device=device)[None, :] <= q_pos
 
 
+def _native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> native.Kernels | None:
+    """The native decode-attention kernel where it takes this step: float32 on the CPU."""
+    if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or q.device.type != "cpu":
+        return None
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    return native.takes(q[:1])
+
+
 class CpuAttention:
     """Decode tokens of a step in one batched SDPA call; multi-token spans one call each.
 
@@ -234,19 +245,7 @@ class CpuAttention:
         assert isinstance(plan, _CpuPlan)
         if plan.decode_rows:
             qd = q[plan.decode_rows_t] if len(plan.decode_rows) != num_tokens else q
-            qd = qd.view(-1, num_kv_heads, group, head_dim)  # (num_decodes, num_kv_heads, group, head_dim)
-            if plan.decode_gather is None:
-                ks, vs = _gather(k_cache, plan.decode_view), _gather(v_cache, plan.decode_view)
-                o = F.scaled_dot_product_attention(qd, ks[None], vs[None], scale=scale)
-            else:
-                num_decodes, max_len = plan.decode_shape
-                shape = (num_kv_heads, num_decodes, max_len, head_dim)
-                ks = k_cache.index_select(1, plan.decode_gather).view(shape)
-                vs = v_cache.index_select(1, plan.decode_gather).view(shape)
-                o = F.scaled_dot_product_attention(
-                    qd, ks.transpose(0, 1), vs.transpose(0, 1), attn_mask=plan.decode_mask, scale=scale
-                )  # (num_decodes, num_kv_heads, group, head_dim)
-            od = o.reshape(-1, num_heads, head_dim)
+            od = self._decode(qd, k_cache, v_cache, plan, scale)  # (num_decodes, num_heads, head_dim)
             if len(plan.decode_rows) == num_tokens:
                 out = od
             else:
@@ -264,11 +263,38 @@ class CpuAttention:
             out[rows] = o.transpose(0, 1)
         return out.reshape(num_tokens, num_heads * head_dim)
 
+    @staticmethod
+    def _decode(
+        qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _CpuPlan, scale: float
+    ) -> torch.Tensor:
+        """Attention of the step's decoding sequences, one query row each: (num_decodes, num_heads,
+        head_dim) -> the same shape."""
+        kernels = _native_decode(qd, k_cache, v_cache)
+        if kernels is not None:  # one call over every sequence and head, reading the cache in place
+            return kernels.decode_attention(qd, k_cache, v_cache, *plan.decode_slot_ids(), scale)
+        num_heads, head_dim = qd.shape[1:]
+        num_kv_heads = k_cache.shape[0]
+        qd = qd.view(-1, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (decodes, kv heads, group, hd)
+        if plan.decode_gather is None:
+            ks, vs = _gather(k_cache, plan.decode_view), _gather(v_cache, plan.decode_view)
+            o = F.scaled_dot_product_attention(qd, ks[None], vs[None], scale=scale)
+        else:
+            num_decodes, max_len = plan.decode_shape
+            shape = (num_kv_heads, num_decodes, max_len, head_dim)
+            ks = k_cache.index_select(1, plan.decode_gather).view(shape)
+            vs = v_cache.index_select(1, plan.decode_gather).view(shape)
+            o = F.scaled_dot_product_attention(
+                qd, ks.transpose(0, 1), vs.transpose(0, 1), attn_mask=plan.decode_mask, scale=scale
+            )  # (num_decodes, num_kv_heads, group, head_dim)
+        return o.reshape(-1, num_heads, head_dim)
+
 
 class _CpuPlan:
     """Index tensors for one step, built on the first layer and reused by the others."""
 
     def __init__(self, meta: AttentionMetadata, device: torch.device) -> None:
+        self._decode_slots: list[slice | list[int]] = []
+        self._slot_ids: tuple[torch.Tensor, torch.Tensor] | None = None
         starts = [0]
         for n in meta.query_lens_host:
             starts.append(starts[-1] + n)
@@ -294,6 +320,7 @@ class _CpuPlan:
                 slots = slots[:cached] if isinstance(slots, list) else slots  # the cached prefix only
             read = torch.tensor(slots, dtype=torch.long, device=device) if isinstance(slots, list) else slots
             self.spans.append((starts[i], qlen, read, mask))
+        self._decode_slots = decode_slots
         self.decode_rows_t = torch.tensor(self.decode_rows, dtype=torch.long, device=device)
         self.decode_view: slice | list[int] = slice(0)
         self.decode_gather: torch.Tensor | None = None
@@ -313,6 +340,20 @@ class _CpuPlan:
             # (num_decodes, 1, 1, max_len): broadcast over kv heads and the group's query rows
             is_real = torch.arange(max_len, device=device)[None, :] < lens[:, None]  # (num_decodes, max_len)
             self.decode_mask = is_real[:, None, None, :]
+
+    def decode_slot_ids(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot ids of every decoding sequence's context, concatenated; offsets (num_decodes + 1)),
+        int64, for the native decode kernel: built on the first layer that asks."""
+        if self._slot_ids is None:
+            parts = [
+                torch.arange(s.start, s.stop) if isinstance(s, slice) else torch.tensor(s, dtype=torch.long)
+                for s in self._decode_slots
+            ]
+            offsets = [0]
+            for p in parts:
+                offsets.append(offsets[-1] + p.numel())
+            self._slot_ids = (torch.cat(parts), torch.tensor(offsets, dtype=torch.long))
+        return self._slot_ids
 
 
 def reference_attention(

@@ -18,9 +18,15 @@ its blocked layout, float32 activations, float32 FMAs) beat both: Qwen2.5-0.5B's
 - `activation_dtype`: float32 where bf16 is emulated (norms, rotary, attention and the KV cache
   run in float32: the CPU flash kernel does 126 GFLOP/s in float32 against 93 in bf16 at
   1,024 x 8,192, measured), bfloat16 where it is native;
-- the decode kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) always get bf16
-  activations: with float32 activations both run 20-100x slower on AVX2 (measured), and with
-  bf16 ones they read a row of weights at memory speed.
+- `native_rows`: matmuls of up to this many rows (decode steps) of a quantized linear run
+  turbospark's own AVX2 kernels (`turbospark.engine.native`: int8 activations in blocks of 32
+  against the int4 / int8 codes, as llama.cpp does), where the CPU has AVX2, FMA and F16C and a
+  C compiler builds them; 0 elsewhere, or with `TURBOSPARK_NATIVE_KERNELS=0`. On the AVX2 EPYC
+  they run SmolLM2's and Qwen2.5-0.5B's decode shapes about twice as fast as torch's int4 /
+  int8 kernels (below);
+- torch's decode kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`), where the
+  native ones do not run, get bf16 activations: with float32 activations both run 20-100x
+  slower on AVX2 (measured).
 
 `TURBOSPARK_CPU_KERNELS` overrides the detection: "auto" (default), "avx2" (fp16-packed many-row
 matmuls where fbgemm exists, float32 activations), "float32" (float32 expansion, float32
@@ -38,6 +44,9 @@ from pathlib import Path
 import torch
 
 ENV_VAR = "TURBOSPARK_CPU_KERNELS"
+# the native kernels' row limit: beyond it a matmul is a prefill chunk or a large decode batch,
+# where fbgemm's fp16 GEMM (or the expansion path) wins
+NATIVE_MAX_ROWS = 8
 CHOICES = ("auto", "avx2", "float32", "bf16")
 
 
@@ -51,6 +60,7 @@ class CpuKernels:
     packed_half: bool  # many-row matmuls through fbgemm's fp16 GEMM on weights packed at load
     activation_dtype: torch.dtype  # a quantized model's activations and KV cache
     source: str  # "detected" or the override's value
+    native_rows: int = 0  # few-row quantized matmuls on turbospark's AVX2 kernels (0: torch's)
 
     def describe(self) -> str:
         extras = [name for name, has in (("AMX", self.amx), ("VNNI", self.vnni)) if has]
@@ -58,10 +68,14 @@ class CpuKernels:
         expanded = "weights expanded to " + _name(self.dense_dtype)
         dense = "fp16-packed fbgemm GEMM" if self.packed_half else expanded
         isa = " + ".join([self.capability, *extras])
+        few = (
+            f"up to {self.native_rows} rows turbospark's AVX2 int8-activation kernels"
+            if self.native_rows
+            else "single rows torch's int4/int8 kernels on bf16"
+        )
         return (
             f"CPU kernels ({self.source}): torch dispatches {isa}, {native}; quantized many-row "
-            f"matmuls run {dense}, activations {_name(self.activation_dtype)}, single rows the "
-            "int4/int8 kernels on bf16"
+            f"matmuls run {dense}, activations {_name(self.activation_dtype)}, {few}"
         )
 
 
@@ -93,8 +107,13 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def detect(flags: frozenset[str] | None = None, override: str | None = None) -> CpuKernels:
-    """The profile for this CPU (or for `flags`), with `override` (or $TURBOSPARK_CPU_KERNELS)."""
+def detect(
+    flags: frozenset[str] | None = None, override: str | None = None, native_rows: int | None = None
+) -> CpuKernels:
+    """The profile for this CPU (or for `flags`), with `override` (or $TURBOSPARK_CPU_KERNELS);
+    `native_rows` None: what this machine's native kernels take (0 when `flags` are given)."""
+    if native_rows is None:
+        native_rows = _native_rows() if flags is None else 0
     if flags is None:
         flags = cpu_flags()
     if override is None:
@@ -116,7 +135,15 @@ def detect(flags: frozenset[str] | None = None, override: str | None = None) -> 
         packed_half=packed_half,
         activation_dtype=torch.bfloat16 if dense_bf16 else torch.float32,
         source="detected" if override == "auto" else f"{ENV_VAR}={override}",
+        native_rows=native_rows,
     )
+
+
+def _native_rows() -> int:
+    """Rows per matmul the native kernels take on this machine: compiles them on first use."""
+    from turbospark.engine import native
+
+    return NATIVE_MAX_ROWS if native.kernels() is not None else 0
 
 
 def free_cores() -> int:

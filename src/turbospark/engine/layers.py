@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from turbospark.engine import cuda_ops
+from turbospark.engine import cuda_ops, native
 
 
 class RMSNorm(nn.Module):
@@ -31,13 +31,24 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and cuda_ops.supports_rows(x):
             return cuda_ops.rms_norm(x, self.weight, self.eps)[0]
+        kernels = self._native(x)
+        if kernels is not None:  # a decode step on the CPU: one call instead of about ten ops
+            return kernels.rms_norm(x, self.weight, self.eps)[0]
         # the fused kernel accumulates in float32 for bf16 inputs
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def _native(self, x: torch.Tensor) -> native.Kernels | None:
+        return native.takes(x) if self.weight.dtype == torch.float32 else None
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual stream's add fused with the norm."""
         if x.is_cuda and cuda_ops.supports_rows(x) and cuda_ops.supports_rows(residual):
             out, summed = cuda_ops.rms_norm(x, self.weight, self.eps, residual)
+            assert summed is not None
+            return out, summed
+        kernels = self._native(x)
+        if kernels is not None and residual.dtype == torch.float32:
+            out, summed = kernels.rms_norm(x, self.weight, self.eps, residual)
             assert summed is not None
             return out, summed
         summed = x + residual
@@ -146,6 +157,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x: (num_tokens, num_heads, head_dim) in the Hugging Face "rotate half" layout."""
     if x.is_cuda and cuda_ops.supports_rotary(x):
         return cuda_ops.rotary(x, cos, sin)
+    kernels = native.takes(x)
+    if kernels is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.dtype == torch.float32:
+        return kernels.rotary(x, cos, sin)
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
@@ -153,6 +167,9 @@ def silu_and_mul(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
     """silu(gate) * up for gate_up (num_tokens, 2 * intermediate_size), the gated MLP's middle."""
     if gate_up.is_cuda and cuda_ops.supports_rows(gate_up):
         return cuda_ops.silu_mul(gate_up, intermediate_size)
+    kernels = native.takes(gate_up)
+    if kernels is not None:
+        return kernels.silu_mul(gate_up, intermediate_size)
     return F.silu(gate_up[..., :intermediate_size]) * gate_up[..., intermediate_size:]
 
 

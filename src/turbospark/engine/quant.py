@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from turbospark.engine import native
 from turbospark.engine.cpu_kernels import cpu_kernels
 from turbospark.engine.layers import Linear
 
@@ -31,6 +32,8 @@ MIN_ROWS_TO_DEQUANTIZE = 32
 # every matmul of at least this many rows runs on it: from 2 rows on it beats both int kernels
 # (Qwen2.5-0.5B / SmolLM2 shapes, 2-core AVX2 EPYC: 8 rows 0.26-1.6 ms against 0.40-2.9 ms).
 MIN_ROWS_PACKED = 2
+# Where turbospark's own kernels run (`cpu_kernels().native_rows`), matmuls of up to that many
+# rows (decode steps) take them instead of torch's int kernels or the packed copy.
 QUANT_CHUNK_ROWS = 4096
 LM_HEAD_MAX_PADDING = 1.25
 
@@ -129,9 +132,11 @@ class Int8Linear(nn.Module):
         dense_dtype: torch.dtype | None = None,
         max_padding: float = float("inf"),
         kernel_dtype: torch.dtype | None = None,
+        native_rows: int | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.native_rows = _native_rows(linear, native_rows, kernel_dtype)
         self.kernel_dtype = kernel_dtype or _kernel_dtype(dtype)
         # the dtype a many-row matmul expands the weight to (see MIN_ROWS_TO_DEQUANTIZE)
         self.dense_dtype = dense_dtype or cpu_kernels().dense_dtype
@@ -146,10 +151,15 @@ class Int8Linear(nn.Module):
         # bias are applied to its float32 output, so both paths compute with the same weight
         self.packed = pack_half(q, None, max_padding)  # widened to float only if packed
         self.out_scales = scales  # (out,) float32
+        self.float_bias = None if self.bias is None else self.bias.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, in_features)
         rows = x.shape[0]
+        if rows <= self.native_rows:
+            kernels = native.kernels()
+            assert kernels is not None
+            return kernels.q8_matmul(x.float(), self.weight, self.out_scales, self.float_bias).to(x.dtype)
         if self.packed is not None and rows >= MIN_ROWS_PACKED:
             out: torch.Tensor = torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed)
             out = out * self.out_scales
@@ -165,8 +175,9 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """int4 weights twice: in the kernel's packed layout (single rows) and for many rows either
-    fbgemm's packed fp16 copy (`cpu_kernels().packed_half`) or plain nibbles to expand.
+    """int4 weights twice: in a decode kernel's layout (the native kernels' blocks, else torch's
+    int4 layout) and for many rows either fbgemm's packed fp16 copy (`cpu_kernels().packed_half`)
+    or plain nibbles to expand.
 
     The kernel's layout is opaque, so a dense prefill needs its own copy of the codes: half a
     byte per weight more as nibbles, for a prefill about twice as fast as the kernel's at 256
@@ -180,18 +191,29 @@ class Int4Linear(nn.Module):
         group_size: int,
         dense_dtype: torch.dtype | None = None,
         kernel_dtype: torch.dtype | None = None,
+        native_rows: int | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.group_size = group_size
         self.dense_dtype = dense_dtype or cpu_kernels().dense_dtype
+        self.native_rows = _native_rows(linear, native_rows, kernel_dtype)
         self.kernel_dtype = kernel_dtype or _kernel_dtype(dtype)
         codes, scales_and_zeros = quantize_int4(linear.weight.data, group_size, self.kernel_dtype)
-        self.weight: torch.Tensor
+        self.weight: torch.Tensor | None
+        self.blocks: torch.Tensor | None
         self.scales_and_zeros: torch.Tensor
         self.nibbles: torch.Tensor
         self.bias: torch.Tensor | None
-        self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+        if self.native_rows:
+            # the native kernel's blocks replace torch's int4 layout: single rows never reach it
+            sz = scales_and_zeros.float().transpose(0, 1)  # (out, groups, 2)
+            offsets = sz[..., 1] - 8 * sz[..., 0]
+            self.register_buffer("blocks", native.pack_q4(codes, sz[..., 0], offsets, group_size))
+            self.register_buffer("weight", None)
+        else:
+            self.register_buffer("blocks", None)
+            self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
         self.register_buffer("scales_and_zeros", scales_and_zeros)
         # (out, in / 2) uint8: even input columns in the low nibble, odd ones in the high
         pairs = codes.to(torch.uint8).view(self.out_features, -1, 2)
@@ -202,6 +224,7 @@ class Int4Linear(nn.Module):
         if self.packed is not None:
             del self.nibbles  # the packed copy replaces the expansion path
             self.register_buffer("nibbles", None)
+        self.float_bias = None if self.bias is None else self.bias.float()
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight (out, in) as the kernel sees it, in `dtype`: code * scale + (zero - 8 * scale)."""
@@ -218,15 +241,32 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, in_features)
         rows = x.shape[0]
+        if rows <= self.native_rows:
+            kernels = native.kernels()
+            assert kernels is not None and self.blocks is not None
+            return kernels.q4_matmul(x.float(), self.blocks, self.float_bias).to(x.dtype)
         if self.packed is not None and rows >= MIN_ROWS_PACKED:
             return _packed_matmul(x, self.packed)
-        if rows >= MIN_ROWS_TO_DEQUANTIZE:
+        if rows >= MIN_ROWS_TO_DEQUANTIZE or self.weight is None:
             return _dense(x, self.dequantize(self.dense_dtype), self.bias)
         y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(self.kernel_dtype), self.weight, self.group_size, self.scales_and_zeros
         )
         y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+def _native_rows(linear: Linear, wanted: int | None, kernel_dtype: torch.dtype | None) -> int:
+    """How many rows of this linear the native kernels take (0: none). `wanted` None: the CPU
+    profile's count, unless the caller asked for torch's kernel in a given `kernel_dtype`; never
+    off the CPU, past what the kernels take, or for a width that is not whole blocks of 32."""
+    if wanted is None:
+        wanted = cpu_kernels().native_rows if kernel_dtype is None else 0
+    if not wanted or linear.weight.device.type != "cpu" or not native.supports(linear.in_features):
+        return 0
+    if native.kernels() is None:
+        return 0
+    return min(wanted, native.MAX_ROWS)
 
 
 def _int4_group_size(in_features: int, preferred: int) -> int | None:

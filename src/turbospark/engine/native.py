@@ -1,0 +1,310 @@
+"""turbospark's own few-row matmul kernels for quantized weights on x86 CPUs with AVX2.
+
+Why hand-written: on an AVX2-only CPU, torch's int4 / int8 decode kernels
+(`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) widen each weight to float and spend
+4-5x the time it takes to read it, and no library on the package index offers the alternative
+as a prebuilt CPU kernel (llama.cpp's, which this follows, ships as source only). The kernels in
+`csrc/qgemv.c` quantize each activation row to int8 in blocks of 32 and multiply bytes by bytes
+(vpmaddubsw): about 2x torch's kernels at one row on the 2-core EPYC they were written on, and a
+weight read once serves every row of a call (a batch of a few decodes).
+
+The C file is compiled on first use with the system's C compiler (`$CC`, else `cc` / `gcc`) into
+turbospark's cache directory, keyed by a hash of the source and flags, and loaded with ctypes.
+It uses OpenMP for its threads; torch is imported first, so the library binds to the OpenMP
+runtime torch already loaded and shares its thread pool (`openmp_runtimes` lists what is
+mapped). Where there is no compiler, no AVX2 / FMA / F16C, or `TURBOSPARK_NATIVE_KERNELS=0`, `kernels()` is
+None and the quantized linears keep torch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV_VAR = "TURBOSPARK_NATIVE_KERNELS"
+SOURCE = Path(__file__).with_name("csrc") / "qgemv.c"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+REQUIRED_FLAGS = frozenset({"avx2", "fma", "f16c"})
+BLOCK = 32  # inputs per quantization block (activations and q4 weights)
+Q4_BLOCK_BYTES = 20  # fp16 scale, fp16 offset, 16 bytes of nibbles
+MAX_ROWS = 8  # rows per call (the C side's MAX_ROWS)
+COMPILE_TIMEOUT_S = 120
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """The loaded library: `q4_matmul` / `q8_matmul` on float32 rows."""
+
+    lib: ctypes.CDLL
+    path: Path
+
+    def q4_matmul(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x (rows, in) float32 @ the q4 weight `blocks` (out, in / 32, 20) uint8 (+ bias float32)."""
+        rows, k = x.shape
+        n = blocks.shape[0]
+        x = x.contiguous()
+        y = torch.empty(rows, n, dtype=torch.float32)
+        rc = self.lib.ts_q4_matmul(
+            x.data_ptr(), rows, k, blocks.data_ptr(), n, _ptr(bias), y.data_ptr(), torch.get_num_threads()
+        )
+        _check(rc, rows, k)
+        return y
+
+    def q8_matmul(
+        self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """(x (rows, in) float32 @ codes.T (out, in) int8) * scales (out,) float32 (+ bias)."""
+        rows, k = x.shape
+        n = codes.shape[0]
+        x = x.contiguous()
+        y = torch.empty(rows, n, dtype=torch.float32)
+        rc = self.lib.ts_q8_matmul(
+            x.data_ptr(),
+            rows,
+            k,
+            codes.data_ptr(),
+            scales.data_ptr(),
+            n,
+            _ptr(bias),
+            y.data_ptr(),
+            torch.get_num_threads(),
+        )
+        _check(rc, rows, k)
+        return y
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(rms_norm(x + residual) * weight, x + residual or None) over the last dim, float32."""
+        d = x.shape[-1]
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        summed = None
+        if residual is not None:
+            residual = residual.contiguous()
+            summed = torch.empty_like(x)
+        self.lib.ts_rms_norm(
+            x.data_ptr(),
+            _ptr(residual),
+            _ptr(summed),
+            weight.data_ptr(),
+            eps,
+            x.numel() // d,
+            d,
+            y.data_ptr(),
+        )
+        return y, summed
+
+    def silu_mul(self, gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
+        """silu(gate) * up for gate_up (rows, 2 * intermediate_size) float32."""
+        gate_up = gate_up.contiguous()
+        rows = gate_up.shape[0]
+        y = gate_up.new_empty(rows, intermediate_size)
+        self.lib.ts_silu_mul(gate_up.data_ptr(), rows, intermediate_size, y.data_ptr())
+        return y
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (tokens, heads, head_dim) float32 whose heads are contiguous rows (a slice of a
+        wider row is fine), rotated by cos / sin (tokens, 1, head_dim); a new contiguous tensor."""
+        tokens, heads, hd = x.shape
+        assert x.stride(2) == 1 and x.stride(1) == hd
+        cos, sin = cos.contiguous(), sin.contiguous()
+        y = x.new_empty(tokens, heads, hd)
+        self.lib.ts_rotary(
+            x.data_ptr(), tokens, heads, hd, x.stride(0), cos.data_ptr(), sin.data_ptr(), y.data_ptr()
+        )
+        return y
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_ids: torch.Tensor,
+        offsets: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One query token per sequence: q (seqs, heads, head_dim) over the caches (kv_heads,
+        slots, head_dim), sequence s reading slot_ids[offsets[s]:offsets[s + 1]] (int64)."""
+        seqs, heads, hd = q.shape
+        kv_heads, num_slots, _ = k_cache.shape
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        rc = self.lib.ts_decode_attention(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            num_slots,
+            slot_ids.data_ptr(),
+            offsets.data_ptr(),
+            seqs,
+            heads,
+            kv_heads,
+            hd,
+            scale,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError("native decode attention could not allocate its score buffer")
+        return out
+
+
+def takes(x: torch.Tensor) -> Kernels | None:
+    """The kernels when they take this activation: float32 on the CPU, at most MAX_ROWS rows
+    (a decode step's), else None."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] > MAX_ROWS:
+        return None
+    from turbospark.engine.cpu_kernels import cpu_kernels
+
+    return kernels() if cpu_kernels().native_rows else None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _check(rc: int, rows: int, k: int) -> None:
+    if rc != 0:
+        raise RuntimeError(
+            f"native matmul refused {rows} rows of width {k} (at most {MAX_ROWS} rows, width % 32 == 0)"
+        )
+
+
+def supports(in_features: int) -> bool:
+    return in_features % BLOCK == 0
+
+
+def pack_q4(
+    codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """The kernel's q4 layout of w = code * scale + offset.
+
+    codes (out, in) integers in [0, 15]; scales and offsets (out, in / group_size) float, one per
+    group (a multiple of 32 inputs). Returns (out, in / 32, 20) uint8: per block of 32 inputs the
+    fp16 scale, the fp16 offset, then byte i = code i | code (i + 16) << 4.
+    """
+    out_features, in_features = codes.shape
+    repeat = group_size // BLOCK
+    d = scales.float().repeat_interleave(repeat, dim=1).half()
+    m = offsets.float().repeat_interleave(repeat, dim=1).half()
+    header = torch.stack([d, m], dim=-1).view(torch.uint8)  # (out, blocks, 4)
+    c = codes.to(torch.uint8).view(out_features, in_features // BLOCK, 2, BLOCK // 2)
+    nibbles = c[:, :, 0] | (c[:, :, 1] << 4)  # (out, blocks, 16)
+    return torch.cat([header, nibbles], dim=-1).contiguous()
+
+
+def _cpu_flags() -> frozenset[str]:
+    from turbospark.engine.cpu_kernels import cpu_flags
+
+    return cpu_flags()
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def _library_path(cc: str) -> Path:
+    from turbospark.engine.checkpoint import cache_dir
+
+    digest = hashlib.sha256()
+    digest.update(SOURCE.read_bytes())
+    digest.update(" ".join((cc, *FLAGS, torch.__version__)).encode())
+    return cache_dir() / "kernels" / f"qgemv-{digest.hexdigest()[:16]}.so"
+
+
+def _build(cc: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # compiled to a private name and renamed into place: processes starting at once never load
+    # a half-written library
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [cc, *FLAGS, "-o", tmp, str(SOURCE)],
+            capture_output=True,
+            text=True,
+            timeout=COMPILE_TIMEOUT_S,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{cc} failed on {SOURCE.name}: {result.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load(path: Path) -> Kernels:
+    lib = ctypes.CDLL(str(path))
+    lib.ts_q4_matmul.argtypes = [_P, _I, _I, _P, _I, _P, _P, _I]
+    lib.ts_q4_matmul.restype = _I
+    lib.ts_q8_matmul.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _I]
+    lib.ts_q8_matmul.restype = _I
+    F = ctypes.c_float
+    lib.ts_rms_norm.argtypes = [_P, _P, _P, _P, F, _I, _I, _P]
+    lib.ts_rms_norm.restype = None
+    lib.ts_silu_mul.argtypes = [_P, _I, _I, _P]
+    lib.ts_silu_mul.restype = None
+    lib.ts_rotary.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P]
+    lib.ts_rotary.restype = None
+    lib.ts_decode_attention.argtypes = [_P, _P, _P, ctypes.c_int64, _P, _P, _I, _I, _I, _I, F, _P, _I]
+    lib.ts_decode_attention.restype = _I
+    return Kernels(lib, path)
+
+
+def unavailable_reason(flags: frozenset[str] | None = None) -> str | None:
+    """Why the kernels cannot run here (None: they can, given a compiler)."""
+    if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "off", "false", "no"):
+        return f"{ENV_VAR} turns them off"
+    missing = REQUIRED_FLAGS - (_cpu_flags() if flags is None else flags)
+    if missing:
+        return f"the CPU lacks {', '.join(sorted(missing))}"
+    if _compiler() is None:
+        return "no C compiler (set $CC, or install gcc)"
+    return None
+
+
+@functools.cache
+def kernels() -> Kernels | None:
+    """The compiled kernels, or None where they cannot run (logged once, with the reason)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        log.info("native quantized kernels off: %s", reason)
+        return None
+    cc = _compiler()
+    assert cc is not None
+    path = _library_path(cc)
+    try:
+        if not path.exists():
+            _build(cc, path)
+        return _load(path)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("native quantized kernels off: %s", e)
+        return None
+
+
+def openmp_runtimes() -> list[str]:
+    """The OpenMP runtime files mapped into this process (Linux; empty elsewhere)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    return sorted({line.split()[-1] for line in maps.splitlines() if "gomp" in line or "libomp" in line})

@@ -29,6 +29,9 @@ seconds and at the end; it may grow by under `--max-rss-growth` percent. Prints 
 exits 1 if anything is off.
 
     python benchmarks/soak.py --seconds 300
+
+`--url URL --pid PID` soaks a server started elsewhere instead (say, under a memory profiler);
+it must serve this script's reply as model `scripted`, and is neither started nor stopped here.
 """
 
 from __future__ import annotations

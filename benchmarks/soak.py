@@ -29,6 +29,9 @@ seconds and at the end; it may grow by under `--max-rss-growth` percent. Prints 
 exits 1 if anything is off.
 
     python benchmarks/soak.py --seconds 300
+
+`--url URL --pid PID` soaks a server started elsewhere instead (say, under a memory profiler);
+it must serve this script's reply as model `scripted`, and is neither started nor stopped here.
 """
 
 from __future__ import annotations
@@ -362,24 +365,24 @@ def engine_gauges(base: str) -> dict[str, float]:
     return out
 
 
-async def soak(args: argparse.Namespace, server: ServerProcess) -> tuple[Tally, int]:
+async def soak(args: argparse.Namespace, url: str, pid: int) -> tuple[Tally, int]:
     tally = Tally()
     start = time.monotonic()
     deadline = start + args.seconds
     limits = httpx.Limits(max_connections=args.clients * 2, max_keepalive_connections=args.clients)
-    async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=httpx.Timeout(120)) as http:
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=httpx.Timeout(120)) as http:
         tasks = [
             asyncio.create_task(client(i, http, "scripted", deadline, tally, args.seed))
             for i in range(args.clients)
         ]
         await asyncio.sleep(min(args.warmup, args.seconds / 2))
-        rss_warm = rss_kib(server.proc.pid)
+        rss_warm = rss_kib(pid)
         while not all(t.done() for t in tasks):
             await asyncio.sleep(5)
             elapsed = time.monotonic() - start
             print(
                 f"  {elapsed:5.0f} s  requests {sum(tally.by_api.values()):6d}  "
-                f"rss {rss_kib(server.proc.pid) / 1024:.1f} MiB  {dict(tally.kinds)}",
+                f"rss {rss_kib(pid) / 1024:.1f} MiB  {dict(tally.kinds)}",
                 flush=True,
             )
         await asyncio.gather(*tasks)
@@ -398,27 +401,42 @@ def main() -> int:
         "--real-model", default="smollm2", help="model for the stream == non-stream check, or none"
     )
     ap.add_argument("--real-requests", type=int, default=4, help="pairs per API on the real model")
+    ap.add_argument("--url", help="soak a server already running here instead of starting one")
+    ap.add_argument("--pid", type=int, help="with --url: the server's process id, for its RSS")
     args = ap.parse_args()
     if MIN_LIMIT + 2 * (args.clients - 1) <= len(REPLY):
         print("note: no client's limit exceeds the reply; stop-finished streams go unchecked")
 
-    with tempfile.TemporaryDirectory() as tmp:
-        reply_file = Path(tmp) / "reply.txt"
-        reply_file.write_text(REPLY, encoding="utf-8")
-        serve = ("--model", f"scripted:{reply_file}", "--max-active", "16", "--max-waiting", "256")
-        print(f"soak: {args.clients} clients for {args.seconds:.0f} s against serve {' '.join(serve)}")
-        print(f"host: {cpu_name()}, python {platform.python_version()}")
-        with ServerProcess(*serve) as server:
-            tally, rss_warm = asyncio.run(soak(args, server))
-            # Settle: the engine notices the last hang-ups on its next step.
-            settle_end = time.monotonic() + args.settle
-            gauges = engine_gauges(server.url)
-            while any(v != 0 for v in gauges.values()) and time.monotonic() < settle_end:
-                time.sleep(0.5)
-                gauges = engine_gauges(server.url)
-            rss_end = rss_kib(server.proc.pid)
-            log = server.log()
-            status = server.terminate()
+    def settle_and_measure(url: str, pid: int) -> tuple[dict[str, float], int]:
+        # Settle: the engine notices the last hang-ups on its next step.
+        settle_end = time.monotonic() + args.settle
+        gauges = engine_gauges(url)
+        while any(v != 0 for v in gauges.values()) and time.monotonic() < settle_end:
+            time.sleep(0.5)
+            gauges = engine_gauges(url)
+        return gauges, rss_kib(pid)
+
+    print(f"host: {cpu_name()}, python {platform.python_version()}")
+    if args.url:
+        # A server someone else started (say, under a memory profiler): it must serve the
+        # soak's reply as model "scripted"; it is neither started nor stopped here.
+        if args.pid is None:
+            ap.error("--url needs --pid (the server's process id, for its RSS)")
+        print(f"soak: {args.clients} clients for {args.seconds:.0f} s against {args.url} (pid {args.pid})")
+        tally, rss_warm = asyncio.run(soak(args, args.url, args.pid))
+        gauges, rss_end = settle_and_measure(args.url, args.pid)
+        log, status = "", None
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            reply_file = Path(tmp) / "reply.txt"
+            reply_file.write_text(REPLY, encoding="utf-8")
+            serve = ("--model", f"scripted:{reply_file}", "--max-active", "16", "--max-waiting", "256")
+            print(f"soak: {args.clients} clients for {args.seconds:.0f} s against serve {' '.join(serve)}")
+            with ServerProcess(*serve) as server:
+                tally, rss_warm = asyncio.run(soak(args, server.url, server.proc.pid))
+                gauges, rss_end = settle_and_measure(server.url, server.proc.pid)
+                log = server.log()
+                status = server.terminate()
 
     real_problems: list[str] = []
     if args.real_model != "none":
@@ -453,7 +471,8 @@ def main() -> int:
         f"{rss_end / 1024:.1f} MiB at end, {growth:+.2f}%"
     )
     tracebacks = log.count("Traceback")
-    print(f"server log: {tracebacks} tracebacks; exit status after SIGTERM {status}")
+    if status is not None:
+        print(f"server log: {tracebacks} tracebacks; exit status after SIGTERM {status}")
     if args.real_model != "none":
         pairs = args.real_requests * len(APIS)
         print(f"real model {args.real_model}: {pairs - len(real_problems)}/{pairs} streamed == non-streamed")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from turbospark.scripted import byte_tokenizer
@@ -70,3 +73,37 @@ def test_stop_matcher_holds_only_possible_prefixes() -> None:
     m = StopMatcher(["<END>"])
     assert m.push("abc<E") == ("abc", None)
     assert m.push("x") == ("<Ex", None)
+
+
+DISTINCT_PROMPTS_SCRIPT = """
+import uuid
+from turbospark.scripted import byte_tokenizer
+
+def rss_kib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+
+tok = byte_tokenizer()
+tok.encode("<|im_start|>user\\nwarm up<|im_end|>\\n")
+before = rss_kib()
+for _ in range(4000):
+    tok.encode("<|im_start|>user\\n" + uuid.uuid4().hex * 7 + "<|im_end|>\\n<|im_start|>assistant\\n")
+print((rss_kib() - before) / 1024)
+"""
+
+
+def test_scripted_tokenizer_keeps_no_past_prompts() -> None:
+    """A long-running scripted server sees a new prompt each request. Its tokenizer has no regex
+    split, so a BPE word cache would keep each stretch of prompt text between special tokens
+    whole (about 32 bytes a byte, up to 10,000 words of under 256 bytes: ~30 MB for these 4,000
+    229-byte ones); it keeps none. Own process, so the reading is this loop's alone."""
+    out = subprocess.run(
+        [sys.executable, "-c", DISTINCT_PROMPTS_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    growth_mib = float(out.stdout.strip().splitlines()[-1])
+    assert growth_mib < 4, f"RSS grew {growth_mib:.1f} MiB over 4,000 distinct prompts"

@@ -75,7 +75,10 @@ def _byte_alphabet() -> list[str]:
 @lru_cache(maxsize=1)
 def byte_tokenizer() -> Tokenizer:
     vocab = {ch: i for i, ch in enumerate(_byte_alphabet())}
-    hf = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # No word cache: with no merges there is nothing to save, and with no regex split each
+    # stretch of text between special tokens is one "word", so the BPE's default cache (10,000
+    # words, ~32 bytes per byte of each) would keep ~30 MB of a server's past prompts.
+    hf = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], cache_capacity=0))
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     hf.decoder = decoders.ByteLevel()
     hf.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])

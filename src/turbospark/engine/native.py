@@ -10,10 +10,12 @@ weight read once serves every row of a call (a batch of a few decodes).
 
 The C file is compiled on first use with the system's C compiler (`$CC`, else `cc` / `gcc`) into
 turbospark's cache directory, keyed by a hash of the source and flags, and loaded with ctypes.
-It uses OpenMP for its threads; torch is imported first, so the library binds to the OpenMP
-runtime torch already loaded and shares its thread pool (`openmp_runtimes` lists what is
-mapped). Where there is no compiler, no AVX2 / FMA / F16C, or `TURBOSPARK_NATIVE_KERNELS=0`, `kernels()` is
-None and the quantized linears keep torch's kernels.
+Its threads are its own, not OpenMP's: work is split into chunks that threads claim, so a
+thread the OS has not scheduled (another process, or the server's event loop, on the same
+cores) delays nothing; an OpenMP region waits for every thread of its team (see the C file).
+The thread count is torch's (`torch.get_num_threads()`). Where there is no compiler, no AVX2 /
+FMA / F16C, or `TURBOSPARK_NATIVE_KERNELS=0`, `kernels()` is None and the quantized linears keep
+torch's kernels.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ log = logging.getLogger(__name__)
 
 ENV_VAR = "TURBOSPARK_NATIVE_KERNELS"
 SOURCE = Path(__file__).with_name("csrc") / "qgemv.c"
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC")
 REQUIRED_FLAGS = frozenset({"avx2", "fma", "f16c"})
 BLOCK = 32  # inputs per quantization block (activations and q4 weights)
 Q4_BLOCK_BYTES = 20  # fp16 scale, fp16 offset, 16 bytes of nibbles
@@ -299,12 +301,3 @@ def kernels() -> Kernels | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("native quantized kernels off: %s", e)
         return None
-
-
-def openmp_runtimes() -> list[str]:
-    """The OpenMP runtime files mapped into this process (Linux; empty elsewhere)."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return []
-    return sorted({line.split()[-1] for line in maps.splitlines() if "gomp" in line or "libomp" in line})

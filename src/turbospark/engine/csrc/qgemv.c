@@ -12,11 +12,21 @@
  *   (byte i holds code i in its low nibble, code i + 16 in its high one); w = d * code + m.
  * - q8: int8 codes (out, in) in [-127, 127] and one float scale per output row.
  * Activations and outputs are float32, row-major; `in` is a multiple of 32.
+ *
+ * Threads: not OpenMP. An OpenMP parallel region ends in a barrier that waits for every thread
+ * of the team, so when another process (or the server's own event loop) holds one of the two
+ * cores, a step waits a scheduler time slice for the thread that is not running: decode steps
+ * went from ~30 ms to 500+ ms on a shared 2-core machine. Here work is cut into chunks that
+ * threads claim from a shared counter; the caller claims too, and waits only for chunks another
+ * thread has actually started. A helper that is not scheduled claims nothing and costs nothing.
  */
 #include <immintrin.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <time.h>
 
 #define QK 32
 #define MAX_ROWS 8
@@ -85,26 +95,135 @@ static void release(quantized *qx) {
     free(qx->sum);
 }
 
+
+/* ---- the work-claiming pool ---- */
+
+#define MAX_HELPERS 63
+#define SPIN_NS 200000 /* a helper spins this long for the next job before it sleeps */
+
+typedef void (*chunk_fn)(void *ctx, int chunk);
+
+static struct {
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    int helpers;                  /* threads started (they live as long as the process) */
+    atomic_uint_fast64_t claim;   /* job generation << 32 | next chunk to claim */
+    atomic_int done;              /* chunks of the current job finished */
+    atomic_int sleeping;          /* helpers blocked on `wake` */
+    /* the current job: written before its generation is published */
+    chunk_fn fn;
+    void *ctx;
+    int chunks;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, NULL, NULL, 0};
+
+static uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* claims and runs chunks of job `gen` until none is left (or the job is another one) */
+static void run_chunks(uint32_t gen, chunk_fn fn, void *ctx, int chunks) {
+    for (;;) {
+        uint64_t v = atomic_load_explicit(&pool.claim, memory_order_acquire);
+        if ((uint32_t)(v >> 32) != gen || (int)(uint32_t)v >= chunks) return;
+        if (!atomic_compare_exchange_weak_explicit(&pool.claim, &v, v + 1, memory_order_acq_rel,
+                                                   memory_order_acquire))
+            continue;
+        fn(ctx, (int)(uint32_t)v);
+        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+    }
+}
+
+static void *helper_main(void *arg) {
+    (void)arg;
+    uint32_t seen = (uint32_t)(atomic_load(&pool.claim) >> 32);
+    for (;;) {
+        uint64_t start = now_ns();
+        uint32_t gen;
+        int polls = 0;
+        for (;;) { /* spin for a while: decode steps come back-to-back */
+            gen = (uint32_t)(atomic_load_explicit(&pool.claim, memory_order_acquire) >> 32);
+            if (gen != seen) break;
+            _mm_pause();
+            if (++polls % 256 == 0 && now_ns() - start > SPIN_NS) {
+                pthread_mutex_lock(&pool.lock);
+                atomic_fetch_add(&pool.sleeping, 1);
+                while ((uint32_t)(atomic_load(&pool.claim) >> 32) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+                atomic_fetch_sub(&pool.sleeping, 1);
+                pthread_mutex_unlock(&pool.lock);
+                start = now_ns();
+            }
+        }
+        seen = gen;
+        pthread_mutex_lock(&pool.lock); /* the job's fields as published with `gen` */
+        chunk_fn fn = pool.fn;
+        void *ctx = pool.ctx;
+        int chunks = pool.chunks;
+        pthread_mutex_unlock(&pool.lock);
+        run_chunks(gen, fn, ctx, chunks);
+    }
+    return NULL;
+}
+
+/* runs fn(ctx, 0 .. chunks - 1) on up to `threads` threads, the caller one of them; one caller at
+ * a time (the engine's thread) */
+static void parallel_chunks(chunk_fn fn, void *ctx, int chunks, int threads) {
+    if (threads > MAX_HELPERS + 1) threads = MAX_HELPERS + 1;
+    if (threads <= 1 || chunks <= 1) {
+        for (int c = 0; c < chunks; c++) fn(ctx, c);
+        return;
+    }
+    pthread_mutex_lock(&pool.lock);
+    while (pool.helpers < threads - 1) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, helper_main, NULL) != 0) break;
+        pthread_detach(t);
+        pool.helpers++;
+    }
+    uint32_t gen = (uint32_t)(atomic_load(&pool.claim) >> 32) + 1;
+    pool.fn = fn;
+    pool.ctx = ctx;
+    pool.chunks = chunks;
+    atomic_store(&pool.done, 0);
+    atomic_store_explicit(&pool.claim, (uint64_t)gen << 32, memory_order_release);
+    if (atomic_load(&pool.sleeping) > 0) pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    run_chunks(gen, fn, ctx, chunks);
+    /* every chunk is claimed; wait for those a helper is still running */
+    while (atomic_load_explicit(&pool.done, memory_order_acquire) < chunks) _mm_pause();
+}
+
 #define INLINE static inline __attribute__((always_inline))
 
+/* Activation rows as the dot products read them: codes (rows, k), per-block scales and sums
+ * (rows, k / 32), through restrict pointers so the compiler keeps them in registers. */
+typedef struct {
+    const int8_t *restrict q;
+    const float *restrict scale;
+    const float *restrict sum;
+    int k, nb;
+} xrows;
+
 /* one block of a q4 weight row against `ROWS` activation rows, into acc / macc */
-INLINE void q4_block(const block_q4 *blk, int b, const quantized *qx, int k, int nb, const int ROWS, __m256 *acc,
-                     float *macc) {
+INLINE void q4_block(const block_q4 *restrict blk, int b, xrows x, const int ROWS, __m256i low4, __m256i ones,
+                     __m256 *acc, float *macc) {
     const __m128i raw = _mm_loadu_si128((const __m128i *)blk->qs);
-    const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+    const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
     const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int *)blk));
     const float d = _mm_cvtss_f32(dm), m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
     for (int r = 0; r < ROWS; r++) {
-        const __m256i xq = _mm256_load_si256((const __m256i *)(qx->q + (size_t)r * k + b * QK));
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xq), _mm256_set1_epi16(1));
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * qx->scale[r * nb + b]), _mm256_cvtepi32_ps(p), acc[r]);
-        macc[r] += m * qx->sum[r * nb + b];
+        const __m256i xq = _mm256_load_si256((const __m256i *)(x.q + (size_t)r * x.k + b * QK));
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xq), ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.scale[r * x.nb + b]), _mm256_cvtepi32_ps(p), acc[r]);
+        macc[r] += m * x.sum[r * x.nb + b];
     }
 }
 
 /* one output row of a q4 weight against `ROWS` quantized activation rows; blocks two at a time
  * into separate accumulators, so consecutive FMAs do not wait on each other */
-INLINE void q4_dot(const block_q4 *wb, int nb, const quantized *qx, int k, const int ROWS, float *out) {
+INLINE void q4_dot(const block_q4 *restrict wb, xrows x, const int ROWS, float *out) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc0[MAX_ROWS], acc1[MAX_ROWS];
     float macc0[MAX_ROWS], macc1[MAX_ROWS];
     for (int r = 0; r < ROWS; r++) {
@@ -112,36 +231,37 @@ INLINE void q4_dot(const block_q4 *wb, int nb, const quantized *qx, int k, const
         macc0[r] = macc1[r] = 0.0f;
     }
     int b = 0;
-    for (; b + 1 < nb; b += 2) {
-        q4_block(wb + b, b, qx, k, nb, ROWS, acc0, macc0);
-        q4_block(wb + b + 1, b + 1, qx, k, nb, ROWS, acc1, macc1);
+    for (; b + 1 < x.nb; b += 2) {
+        q4_block(wb + b, b, x, ROWS, low4, ones, acc0, macc0);
+        q4_block(wb + b + 1, b + 1, x, ROWS, low4, ones, acc1, macc1);
     }
-    if (b < nb) q4_block(wb + b, b, qx, k, nb, ROWS, acc0, macc0);
+    if (b < x.nb) q4_block(wb + b, b, x, ROWS, low4, ones, acc0, macc0);
     for (int r = 0; r < ROWS; r++) out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r])) + macc0[r] + macc1[r];
 }
 
 /* one block of a q8 weight row against `ROWS` activation rows, into acc */
-INLINE void q8_block(const int8_t *wblk, int b, const quantized *qx, int k, int nb, const int ROWS, __m256 *acc) {
+INLINE void q8_block(const int8_t *restrict wblk, int b, xrows x, const int ROWS, __m256i ones, __m256 *acc) {
     const __m256i wq = _mm256_loadu_si256((const __m256i *)wblk);
     const __m256i wabs = _mm256_sign_epi8(wq, wq);
     for (int r = 0; r < ROWS; r++) {
-        const __m256i xq = _mm256_load_si256((const __m256i *)(qx->q + (size_t)r * k + b * QK));
+        const __m256i xq = _mm256_load_si256((const __m256i *)(x.q + (size_t)r * x.k + b * QK));
         /* |w| * (x with w's sign): unsigned x signed bytes, as vpmaddubsw wants */
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xq, wq)), _mm256_set1_epi16(1));
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(qx->scale[r * nb + b]), _mm256_cvtepi32_ps(p), acc[r]);
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xq, wq)), ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x.scale[r * x.nb + b]), _mm256_cvtepi32_ps(p), acc[r]);
     }
 }
 
 /* the same for a q8 weight row (scaled by the caller) */
-INLINE void q8_dot(const int8_t *wr, int nb, const quantized *qx, int k, const int ROWS, float *out) {
+INLINE void q8_dot(const int8_t *restrict wr, xrows x, const int ROWS, float *out) {
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc0[MAX_ROWS], acc1[MAX_ROWS];
     for (int r = 0; r < ROWS; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
     int b = 0;
-    for (; b + 1 < nb; b += 2) {
-        q8_block(wr + b * QK, b, qx, k, nb, ROWS, acc0);
-        q8_block(wr + (b + 1) * QK, b + 1, qx, k, nb, ROWS, acc1);
+    for (; b + 1 < x.nb; b += 2) {
+        q8_block(wr + b * QK, b, x, ROWS, ones, acc0);
+        q8_block(wr + (b + 1) * QK, b + 1, x, ROWS, ones, acc1);
     }
-    if (b < nb) q8_block(wr + b * QK, b, qx, k, nb, ROWS, acc0);
+    if (b < x.nb) q8_block(wr + b * QK, b, x, ROWS, ones, acc0);
     for (int r = 0; r < ROWS; r++) out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
@@ -159,48 +279,72 @@ INLINE void q8_dot(const int8_t *wr, int nb, const quantized *qx, int k, const i
     default: CALL(8); break; \
     }
 
-/* y (rows, n) = x (rows, k) @ w.T (+ bias); returns 0, or -1 when rows or memory is out of range */
-int ts_q4_matmul(const float *x, int rows, int k, const block_q4 *w, int n, const float *bias, float *y,
-                 int threads) {
+typedef struct {
+    const quantized *qx;
+    const void *w;
+    const float *scales; /* q8: per output row */
+    const float *bias;
+    float *y;
+    int rows, k, n;
+} matmul_job;
+
+#define ROWS_PER_CHUNK 32
+
+static xrows rows_of(const quantized *qx, int k) {
+    const xrows x = {qx->q, qx->scale, qx->sum, k, k / QK};
+    return x;
+}
+
+static void q4_chunk(void *arg, int chunk) {
+    const matmul_job *j = (const matmul_job *)arg;
+    const xrows x = rows_of(j->qx, j->k);
+    const int nb = x.nb, end = (chunk + 1) * ROWS_PER_CHUNK < j->n ? (chunk + 1) * ROWS_PER_CHUNK : j->n;
+    for (int o = chunk * ROWS_PER_CHUNK; o < end; o++) {
+        float out[MAX_ROWS];
+#define Q4(R) q4_dot((const block_q4 *)j->w + (size_t)o * nb, x, R, out)
+        FOR_ROWS(j->rows, Q4)
+        const float bo = j->bias ? j->bias[o] : 0.0f;
+        for (int r = 0; r < j->rows; r++) j->y[(size_t)r * j->n + o] = out[r] + bo;
+    }
+}
+
+static void q8_chunk(void *arg, int chunk) {
+    const matmul_job *j = (const matmul_job *)arg;
+    const xrows x = rows_of(j->qx, j->k);
+    const int end = (chunk + 1) * ROWS_PER_CHUNK < j->n ? (chunk + 1) * ROWS_PER_CHUNK : j->n;
+    for (int o = chunk * ROWS_PER_CHUNK; o < end; o++) {
+        float out[MAX_ROWS];
+#define Q8(R) q8_dot((const int8_t *)j->w + (size_t)o * j->k, x, R, out)
+        FOR_ROWS(j->rows, Q8)
+        const float bo = j->bias ? j->bias[o] : 0.0f;
+        for (int r = 0; r < j->rows; r++) j->y[(size_t)r * j->n + o] = out[r] * j->scales[o] + bo;
+    }
+}
+
+static int quantized_matmul(chunk_fn fn, const float *x, int rows, int k, const void *w, const float *scales, int n,
+                            const float *bias, float *y, int threads) {
     if (rows < 1 || rows > MAX_ROWS || k % QK) return -1;
     quantized qx;
     if (quantize(x, rows, k, &qx)) {
         release(&qx);
         return -1;
     }
-    const int nb = k / QK;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int o = 0; o < n; o++) {
-        float out[MAX_ROWS];
-#define Q4(R) q4_dot(w + (size_t)o * nb, nb, &qx, k, R, out)
-        FOR_ROWS(rows, Q4)
-        const float bo = bias ? bias[o] : 0.0f;
-        for (int r = 0; r < rows; r++) y[(size_t)r * n + o] = out[r] + bo;
-    }
+    matmul_job job = {&qx, w, scales, bias, y, rows, k, n};
+    parallel_chunks(fn, &job, (n + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK, threads);
     release(&qx);
     return 0;
+}
+
+/* y (rows, n) = x (rows, k) @ w.T (+ bias); returns 0, or -1 when rows or memory is out of range */
+int ts_q4_matmul(const float *x, int rows, int k, const block_q4 *w, int n, const float *bias, float *y,
+                 int threads) {
+    return quantized_matmul(q4_chunk, x, rows, k, w, NULL, n, bias, y, threads);
 }
 
 /* y (rows, n) = (x (rows, k) @ w.T) * scales (+ bias), w int8 (n, k) */
 int ts_q8_matmul(const float *x, int rows, int k, const int8_t *w, const float *scales, int n,
                  const float *bias, float *y, int threads) {
-    if (rows < 1 || rows > MAX_ROWS || k % QK) return -1;
-    quantized qx;
-    if (quantize(x, rows, k, &qx)) {
-        release(&qx);
-        return -1;
-    }
-    const int nb = k / QK;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int o = 0; o < n; o++) {
-        float out[MAX_ROWS];
-#define Q8(R) q8_dot(w + (size_t)o * k, nb, &qx, k, R, out)
-        FOR_ROWS(rows, Q8)
-        const float bo = bias ? bias[o] : 0.0f;
-        for (int r = 0; r < rows; r++) y[(size_t)r * n + o] = out[r] * scales[o] + bo;
-    }
-    release(&qx);
-    return 0;
+    return quantized_matmul(q8_chunk, x, rows, k, w, scales, n, bias, y, threads);
 }
 
 /* ---- the rest of a decode step, for few rows: each replaces several torch ops ---- */
@@ -283,65 +427,132 @@ void ts_rotary(const float *x, int tokens, int heads, int hd, int x_stride, cons
     }
 }
 
-/* Attention of one new token per sequence over its cached keys and values.
- * q (seqs, heads, hd); k_cache / v_cache (kv_heads, slots, hd); sequence s reads the slots
- * slot_ids[offsets[s] .. offsets[s + 1]); the `heads / kv_heads` query heads of a kv head read
- * each of its keys once. out (seqs, heads, hd). Returns -1 when out of memory. */
+/* Attention of one new token per sequence over its cached keys and values, split like flash
+ * decoding: each chunk is one (sequence, kv head, run of up to PART_SLOTS context slots) and
+ * leaves, for each query head of the kv head's group, its running max, sum of exponentials and
+ * weighted sum of values; the caller merges the parts. Parts keep two threads busy when there
+ * are fewer kv heads than threads, or an odd count, and every key is read once. */
+#define PART_SLOTS 256
+#define MAX_GROUP 64
+#define MAX_HEAD_DIM 256
+
+typedef struct {
+    const float *q, *k_cache, *v_cache;
+    int64_t num_slots;
+    const int64_t *slot_ids;
+    const int64_t *offsets;
+    int heads, kv_heads, hd;
+    float scale;
+    const int *part_seq, *part_head; /* per chunk */
+    const int64_t *part_start, *part_end;
+    float *partial; /* per chunk: group x (max, sum, hd values) */
+} attention_job;
+
+static void attention_chunk(void *arg, int chunk) {
+    const attention_job *j = (const attention_job *)arg;
+    const int s = j->part_seq[chunk], kh = j->part_head[chunk], hd = j->hd;
+    const int group = j->heads / j->kv_heads;
+    const int64_t a = j->part_start[chunk], b = j->part_end[chunk];
+    const int64_t *ids = j->slot_ids + j->offsets[s];
+    const float *kbase = j->k_cache + (size_t)kh * j->num_slots * hd;
+    const float *vbase = j->v_cache + (size_t)kh * j->num_slots * hd;
+    float p[PART_SLOTS];
+    for (int g = 0; g < group; g++) {
+        const float *qh = j->q + ((size_t)s * j->heads + kh * group + g) * hd;
+        float *res = j->partial + ((size_t)chunk * group + g) * (hd + 2);
+        float mx = -INFINITY;
+        for (int64_t t = a; t < b; t++) {
+            const float sc = dot_f32(qh, kbase + (size_t)ids[t] * hd, hd) * j->scale;
+            p[t - a] = sc;
+            mx = sc > mx ? sc : mx;
+        }
+        const int n = (int)(b - a);
+        __m256 tot8 = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 8 <= n; i += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), _mm256_set1_ps(mx)));
+            _mm256_storeu_ps(p + i, e);
+            tot8 = _mm256_add_ps(tot8, e);
+        }
+        float total = hsum(tot8);
+        for (; i < n; i++) {
+            p[i] = expf(p[i] - mx);
+            total += p[i];
+        }
+        float o[MAX_HEAD_DIM];
+        for (int d = 0; d < hd; d++) o[d] = 0.0f;
+        for (int64_t t = a; t < b; t++) {
+            const float *vt = vbase + (size_t)ids[t] * hd;
+            const float pt = p[t - a];
+            for (int d = 0; d < hd; d++) o[d] += pt * vt[d];
+        }
+        res[0] = mx;
+        res[1] = total;
+        for (int d = 0; d < hd; d++) res[2 + d] = o[d];
+    }
+}
+
+/* q (seqs, heads, hd); k_cache / v_cache (kv_heads, slots, hd); sequence s reads the slots
+ * slot_ids[offsets[s] .. offsets[s + 1]). out (seqs, heads, hd). Returns -1 when out of memory
+ * or past the sizes it handles. */
 int ts_decode_attention(const float *q, const float *k_cache, const float *v_cache, int64_t num_slots,
                         const int64_t *slot_ids, const int64_t *offsets, int seqs, int heads, int kv_heads, int hd,
                         float scale, float *out, int threads) {
     const int group = heads / kv_heads;
-    int failed = 0;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    if (group > MAX_GROUP || hd > MAX_HEAD_DIM || group * kv_heads != heads) return -1;
+    int64_t chunks = 0;
+    for (int s = 0; s < seqs; s++) chunks += kv_heads * ((offsets[s + 1] - offsets[s] + PART_SLOTS - 1) / PART_SLOTS);
+    int *part_seq = (int *)malloc(sizeof(int) * 2 * (chunks + 1));
+    int64_t *part_range = (int64_t *)malloc(sizeof(int64_t) * 2 * (chunks + 1));
+    float *partial = (float *)malloc(sizeof(float) * (chunks + 1) * group * (hd + 2));
+    if (!part_seq || !part_range || !partial) {
+        free(part_seq);
+        free(part_range);
+        free(partial);
+        return -1;
+    }
+    int *part_head = part_seq + chunks + 1;
+    int64_t *part_start = part_range, *part_end = part_range + chunks + 1;
+    int64_t c = 0;
     for (int s = 0; s < seqs; s++) {
-        for (int kh = 0; kh < kv_heads; kh++) {
-            const int64_t len = offsets[s + 1] - offsets[s];
-            const int64_t *ids = slot_ids + offsets[s];
-            const float *kbase = k_cache + (size_t)kh * num_slots * hd;
-            const float *vbase = v_cache + (size_t)kh * num_slots * hd;
-            float *p = (float *)malloc(sizeof(float) * (size_t)group * (len > 0 ? len : 1));
-            if (!p) {
-                failed = 1;
-                continue;
+        const int64_t len = offsets[s + 1] - offsets[s];
+        for (int kh = 0; kh < kv_heads; kh++)
+            for (int64_t a = 0; a < len; a += PART_SLOTS, c++) {
+                part_seq[c] = s;
+                part_head[c] = kh;
+                part_start[c] = a;
+                part_end[c] = a + PART_SLOTS < len ? a + PART_SLOTS : len;
             }
-            for (int g = 0; g < group; g++) {
-                const float *qh = q + ((size_t)s * heads + kh * group + g) * hd;
-                float *pg = p + (size_t)g * len;
-                float mx = -INFINITY;
-                for (int64_t j = 0; j < len; j++) {
-                    const float sc = dot_f32(qh, kbase + (size_t)ids[j] * hd, hd) * scale;
-                    pg[j] = sc;
-                    mx = sc > mx ? sc : mx;
-                }
-                __m256 tot8 = _mm256_setzero_ps();
-                int64_t j = 0;
-                for (; j + 8 <= len; j += 8) {
-                    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pg + j), _mm256_set1_ps(mx)));
-                    _mm256_storeu_ps(pg + j, e);
-                    tot8 = _mm256_add_ps(tot8, e);
-                }
-                float total = hsum(tot8);
-                for (; j < len; j++) {
-                    pg[j] = expf(pg[j] - mx);
-                    total += pg[j];
-                }
-                const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-                for (int64_t j = 0; j < len; j++) pg[j] *= inv;
-            }
+    }
+    attention_job job = {q, k_cache, v_cache, num_slots, slot_ids, offsets, heads, kv_heads, hd, scale,
+                         part_seq, part_head, part_start, part_end, partial};
+    parallel_chunks(attention_chunk, &job, (int)chunks, threads);
+    /* merge: parts of one (sequence, kv head) are consecutive chunks */
+    c = 0;
+    for (int s = 0; s < seqs; s++) {
+        const int64_t len = offsets[s + 1] - offsets[s];
+        const int64_t parts = (len + PART_SLOTS - 1) / PART_SLOTS;
+        for (int kh = 0; kh < kv_heads; kh++, c += parts)
             for (int g = 0; g < group; g++) {
                 float *oh = out + ((size_t)s * heads + kh * group + g) * hd;
-                for (int i = 0; i < hd; i++) oh[i] = 0.0f;
-            }
-            for (int64_t j = 0; j < len; j++) {
-                const float *vj = vbase + (size_t)ids[j] * hd;
-                for (int g = 0; g < group; g++) {
-                    const float pj = p[(size_t)g * len + j];
-                    float *oh = out + ((size_t)s * heads + kh * group + g) * hd;
-                    for (int i = 0; i < hd; i++) oh[i] += pj * vj[i];
+                float mx = -INFINITY, total = 0.0f;
+                for (int64_t i = 0; i < parts; i++) {
+                    const float m = partial[((size_t)(c + i) * group + g) * (hd + 2)];
+                    mx = m > mx ? m : mx;
                 }
+                for (int d = 0; d < hd; d++) oh[d] = 0.0f;
+                for (int64_t i = 0; i < parts; i++) {
+                    const float *res = partial + ((size_t)(c + i) * group + g) * (hd + 2);
+                    const float w = expf(res[0] - mx);
+                    total += w * res[1];
+                    for (int d = 0; d < hd; d++) oh[d] += w * res[2 + d];
+                }
+                const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+                for (int d = 0; d < hd; d++) oh[d] *= inv;
             }
-            free(p);
-        }
     }
-    return failed ? -1 : 0;
+    free(part_seq);
+    free(part_range);
+    free(partial);
+    return 0;
 }

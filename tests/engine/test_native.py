@@ -30,7 +30,7 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("rows", [1, 3, native.MAX_ROWS])
 @pytest.mark.parametrize(
-    ("out_features", "in_features", "group"), [(96, 64, 32), (40, 256, 128), (7, 96, 32)]
+    ("out_features", "in_features", "group"), [(96, 64, 32), (40, 256, 128), (7, 576, 32)]
 )
 def test_q4_matmul_is_the_dequantized_product(
     rows: int, out_features: int, in_features: int, group: int
@@ -42,7 +42,9 @@ def test_q4_matmul_is_the_dequantized_product(
     sz = sz.float().transpose(0, 1)  # (out, groups, 2)
     scales, offsets = sz[..., 0], sz[..., 1] - 8 * sz[..., 0]
     blocks = native.pack_q4(codes, scales, offsets, group)
-    assert blocks.shape == (out_features, in_features // 32, native.Q4_BLOCK_BYTES)
+    assert blocks.codes.shape == (out_features, in_features // 2)
+    padded = -(-in_features // 32 // native.SCALE_GROUP) * native.SCALE_GROUP  # 18 blocks -> 24
+    assert blocks.scales.shape == blocks.offsets.shape == (out_features, padded)
     # fp16 scales and offsets, as the blocks hold them
     s16, o16 = scales.half().float(), offsets.half().float()
     weight = (codes.view(out_features, -1, group).float() * s16[..., None] + o16[..., None]).view(w.shape)

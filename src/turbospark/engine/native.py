@@ -40,14 +40,12 @@ SOURCE = Path(__file__).with_name("csrc") / "qgemv.c"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC")
 REQUIRED_FLAGS = frozenset({"avx2", "fma", "f16c"})
 BLOCK = 32  # inputs per quantization block (activations and q4 weights)
-Q4_BLOCK_BYTES = 20  # fp16 scale, fp16 offset, 16 bytes of nibbles
+SCALE_GROUP = 8  # q4 scale rows are padded to a multiple of this many blocks
 MAX_ROWS = 8  # rows per call (the C side's MAX_ROWS)
 COMPILE_TIMEOUT_S = 120
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
-
-
 @dataclass(frozen=True, slots=True)
 class Kernels:
     """The loaded library: `q4_matmul` / `q8_matmul` on float32 rows."""
@@ -55,14 +53,22 @@ class Kernels:
     lib: ctypes.CDLL
     path: Path
 
-    def q4_matmul(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x (rows, in) float32 @ the q4 weight `blocks` (out, in / 32, 20) uint8 (+ bias float32)."""
+    def q4_matmul(self, x: torch.Tensor, w: Q4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        """x (rows, in) float32 @ the q4 weight (+ bias float32)."""
         rows, k = x.shape
-        n = blocks.shape[0]
         x = x.contiguous()
-        y = torch.empty(rows, n, dtype=torch.float32)
+        y = torch.empty(rows, w.out_features, dtype=torch.float32)
         rc = self.lib.ts_q4_matmul(
-            x.data_ptr(), rows, k, blocks.data_ptr(), n, _ptr(bias), y.data_ptr(), torch.get_num_threads()
+            x.data_ptr(),
+            rows,
+            k,
+            w.codes.data_ptr(),
+            w.scales.data_ptr(),
+            w.offsets.data_ptr(),
+            w.out_features,
+            _ptr(bias),
+            y.data_ptr(),
+            torch.get_num_threads(),
         )
         _check(rc, rows, k)
         return y
@@ -188,27 +194,42 @@ def _check(rc: int, rows: int, k: int) -> None:
         )
 
 
-def supports(in_features: int) -> bool:
-    return in_features % BLOCK == 0
+def supports(in_features: int, bits: int = 8) -> bool:
+    """Whether a weight of this input width fits the kernels (q4: pairs of 32-input blocks)."""
+    return in_features % (2 * BLOCK if bits == 4 else BLOCK) == 0
 
 
-def pack_q4(
-    codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int
-) -> torch.Tensor:
-    """The kernel's q4 layout of w = code * scale + offset.
+@dataclass(frozen=True, slots=True)
+class Q4Weight:
+    """The q4 kernel's layout of w = code * scale + offset (see `pack_q4`)."""
 
-    codes (out, in) integers in [0, 15]; scales and offsets (out, in / group_size) float, one per
-    group (a multiple of 32 inputs). Returns (out, in / 32, 20) uint8: per block of 32 inputs the
-    fp16 scale, the fp16 offset, then byte i = code i | code (i + 16) << 4.
-    """
+    codes: torch.Tensor  # (out, in / 2) uint8
+    scales: torch.Tensor  # (out, blocks padded to SCALE_GROUP) fp16, one per 32 inputs
+    offsets: torch.Tensor  # the same shape
+
+    @property
+    def out_features(self) -> int:
+        return int(self.codes.shape[0])
+
+
+def pack_q4(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int) -> Q4Weight:
+    """codes (out, in) integers in [0, 15]; scales and offsets (out, in / group_size) float, one
+    per group (a multiple of 32 inputs). Per 64 inputs 32 bytes, byte i = code i | code (32 + i)
+    << 4, so one load gives two blocks' codes; the fp16 scales and offsets per 32 inputs, in rows
+    padded with zeros to a multiple of 8 blocks."""
     out_features, in_features = codes.shape
+    blocks = in_features // BLOCK
+    padded = -(-blocks // SCALE_GROUP) * SCALE_GROUP
     repeat = group_size // BLOCK
-    d = scales.float().repeat_interleave(repeat, dim=1).half()
-    m = offsets.float().repeat_interleave(repeat, dim=1).half()
-    header = torch.stack([d, m], dim=-1).view(torch.uint8)  # (out, blocks, 4)
-    c = codes.to(torch.uint8).view(out_features, in_features // BLOCK, 2, BLOCK // 2)
-    nibbles = c[:, :, 0] | (c[:, :, 1] << 4)  # (out, blocks, 16)
-    return torch.cat([header, nibbles], dim=-1).contiguous()
+
+    def per_block(v: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(out_features, padded, dtype=torch.float16)
+        out[:, :blocks] = v.float().repeat_interleave(repeat, dim=1)
+        return out
+
+    c = codes.to(torch.uint8).view(out_features, in_features // (2 * BLOCK), 2, BLOCK)
+    nibbles = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(out_features, in_features // 2)
+    return Q4Weight(nibbles.contiguous(), per_block(scales), per_block(offsets))
 
 
 def _cpu_flags() -> frozenset[str]:
@@ -256,7 +277,7 @@ def _build(cc: str, target: Path) -> None:
 
 def _load(path: Path) -> Kernels:
     lib = ctypes.CDLL(str(path))
-    lib.ts_q4_matmul.argtypes = [_P, _I, _I, _P, _I, _P, _P, _I]
+    lib.ts_q4_matmul.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P, _P, _I]
     lib.ts_q4_matmul.restype = _I
     lib.ts_q8_matmul.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _I]
     lib.ts_q8_matmul.restype = _I

@@ -197,22 +197,21 @@ class Int4Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.group_size = group_size
         self.dense_dtype = dense_dtype or cpu_kernels().dense_dtype
-        self.native_rows = _native_rows(linear, native_rows, kernel_dtype)
+        self.native_rows = _native_rows(linear, native_rows, kernel_dtype, bits=4)
         self.kernel_dtype = kernel_dtype or _kernel_dtype(dtype)
         codes, scales_and_zeros = quantize_int4(linear.weight.data, group_size, self.kernel_dtype)
         self.weight: torch.Tensor | None
-        self.blocks: torch.Tensor | None
+        self.q4: native.Q4Weight | None = None
         self.scales_and_zeros: torch.Tensor
         self.nibbles: torch.Tensor
         self.bias: torch.Tensor | None
         if self.native_rows:
-            # the native kernel's blocks replace torch's int4 layout: single rows never reach it
+            # the native kernel's layout replaces torch's int4 one: single rows never reach it
             sz = scales_and_zeros.float().transpose(0, 1)  # (out, groups, 2)
             offsets = sz[..., 1] - 8 * sz[..., 0]
-            self.register_buffer("blocks", native.pack_q4(codes, sz[..., 0], offsets, group_size))
+            self.q4 = native.pack_q4(codes, sz[..., 0], offsets, group_size)
             self.register_buffer("weight", None)
         else:
-            self.register_buffer("blocks", None)
             self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
         self.register_buffer("scales_and_zeros", scales_and_zeros)
         # (out, in / 2) uint8: even input columns in the low nibble, odd ones in the high
@@ -243,8 +242,8 @@ class Int4Linear(nn.Module):
         rows = x.shape[0]
         if rows <= self.native_rows:
             kernels = native.kernels()
-            assert kernels is not None and self.blocks is not None
-            return kernels.q4_matmul(x.float(), self.blocks, self.float_bias).to(x.dtype)
+            assert kernels is not None and self.q4 is not None
+            return kernels.q4_matmul(x.float(), self.q4, self.float_bias).to(x.dtype)
         if self.packed is not None and rows >= MIN_ROWS_PACKED:
             return _packed_matmul(x, self.packed)
         if rows >= MIN_ROWS_TO_DEQUANTIZE or self.weight is None:
@@ -256,13 +255,13 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def _native_rows(linear: Linear, wanted: int | None, kernel_dtype: torch.dtype | None) -> int:
+def _native_rows(linear: Linear, wanted: int | None, kernel_dtype: torch.dtype | None, bits: int = 8) -> int:
     """How many rows of this linear the native kernels take (0: none). `wanted` None: the CPU
     profile's count, unless the caller asked for torch's kernel in a given `kernel_dtype`; never
     off the CPU, past what the kernels take, or for a width that is not whole blocks of 32."""
     if wanted is None:
         wanted = cpu_kernels().native_rows if kernel_dtype is None else 0
-    if not wanted or linear.weight.device.type != "cpu" or not native.supports(linear.in_features):
+    if not wanted or linear.weight.device.type != "cpu" or not native.supports(linear.in_features, bits):
         return 0
     if native.kernels() is None:
         return 0

@@ -8,8 +8,10 @@
  * is read once for all the rows of a call, so a batch of a few decodes costs about one.
  *
  * Weights:
- * - q4: rows of 20-byte blocks per 32 inputs: fp16 d, fp16 m, 16 bytes of codes in [0, 15]
- *   (byte i holds code i in its low nibble, code i + 16 in its high one); w = d * code + m.
+ * - q4: codes (out, in / 2) bytes, per 64 inputs 32 bytes whose byte i holds code i in its low
+ *   nibble and code 32 + i in its high one (codes in [0, 15]); fp16 d and m (out, blocks padded
+ *   to a multiple of 8) per block of 32 inputs; w = d * code + m. `in` a multiple of 64. The
+ *   scales lie apart from the codes so eight blocks' scales load and convert in one go.
  * - q8: int8 codes (out, in) in [-127, 127] and one float scale per output row.
  * Activations and outputs are float32, row-major; `in` is a multiple of 32.
  *
@@ -31,16 +33,15 @@
 #define QK 32
 #define MAX_ROWS 8
 
-typedef struct {
-    uint16_t d;
-    uint16_t m;
-    uint8_t qs[QK / 2];
-} block_q4;
+#define SCALE_GROUP 8 /* blocks whose scales are read together; scale rows are padded to it */
+
+static inline int padded_blocks(int k) { return (k / QK + SCALE_GROUP - 1) / SCALE_GROUP * SCALE_GROUP; }
 
 /* x (rows, k) -> codes (rows, k) int8, per-block scales and per-block sums of x */
 static void quantize_rows(const float *x, int rows, int k, int8_t *q, float *scale, float *sum) {
-    const int nb = k / QK;
+    const int nb = k / QK, nbp = padded_blocks(k);
     for (int r = 0; r < rows; r++) {
+        for (int b = nb; b < nbp; b++) scale[r * nbp + b] = sum[r * nbp + b] = 0.0f;
         for (int b = 0; b < nb; b++) {
             const float *xb = x + (size_t)r * k + b * QK;
             int8_t *qb = q + (size_t)r * k + b * QK;
@@ -56,10 +57,10 @@ static void quantize_rows(const float *x, int rows, int k, int8_t *q, float *sca
                 qb[i] = (int8_t)lrintf(xb[i] * id);
                 s += qb[i];
             }
-            scale[r * nb + b] = d;
+            scale[r * nbp + b] = d;
             /* the sum of the quantized block, not of x: the offset term then sees the same
              * rounding as the codes, and the errors of the two terms cancel */
-            sum[r * nb + b] = d * (float)s;
+            sum[r * nbp + b] = d * (float)s;
         }
     }
 }
@@ -80,10 +81,10 @@ typedef struct {
 } quantized;
 
 static int quantize(const float *x, int rows, int k, quantized *out) {
-    const int nb = k / QK;
+    const int nbp = padded_blocks(k);
     out->q = (int8_t *)aligned_alloc(64, ((size_t)rows * k + 63) / 64 * 64);
-    out->scale = (float *)malloc(sizeof(float) * rows * nb);
-    out->sum = (float *)malloc(sizeof(float) * rows * nb);
+    out->scale = (float *)malloc(sizeof(float) * rows * nbp);
+    out->sum = (float *)malloc(sizeof(float) * rows * nbp);
     if (!out->q || !out->scale || !out->sum) return -1;
     quantize_rows(x, rows, k, out->q, out->scale, out->sum);
     return 0;
@@ -202,41 +203,41 @@ typedef struct {
     const int8_t *restrict q;
     const float *restrict scale;
     const float *restrict sum;
-    int k, nb;
+    int k, nb, nbp; /* width, blocks, blocks padded (the stride of scale and sum) */
 } xrows;
 
-/* one block of a q4 weight row against `ROWS` activation rows, into acc / macc */
-INLINE void q4_block(const block_q4 *restrict blk, int b, xrows x, const int ROWS, __m256i low4, __m256i ones,
-                     __m256 *acc, float *macc) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)blk->qs);
-    const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
-    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(*(const int *)blk));
-    const float d = _mm_cvtss_f32(dm), m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-    for (int r = 0; r < ROWS; r++) {
-        const __m256i xq = _mm256_load_si256((const __m256i *)(x.q + (size_t)r * x.k + b * QK));
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xq), ones);
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.scale[r * x.nb + b]), _mm256_cvtepi32_ps(p), acc[r]);
-        macc[r] += m * x.sum[r * x.nb + b];
-    }
-}
-
-/* one output row of a q4 weight against `ROWS` quantized activation rows; blocks two at a time
- * into separate accumulators, so consecutive FMAs do not wait on each other */
-INLINE void q4_dot(const block_q4 *restrict wb, xrows x, const int ROWS, float *out) {
+/* one output row of a q4 weight against `ROWS` quantized activation rows. Per 8 blocks: their
+ * weight scales times the rows' activation scales in one multiply, the offset term as one FMA
+ * against the rows' block sums; per 2 blocks one 32-byte load of codes split into two registers
+ * of 32 codes; per block and row one byte multiply-add, scaled by its lane of the scales. */
+INLINE void q4_dot(const uint8_t *restrict codes, const uint16_t *restrict d16, const uint16_t *restrict m16,
+                   xrows x, const int ROWS, float *out) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    __m256 acc0[MAX_ROWS], acc1[MAX_ROWS];
-    float macc0[MAX_ROWS], macc1[MAX_ROWS];
-    for (int r = 0; r < ROWS; r++) {
-        acc0[r] = acc1[r] = _mm256_setzero_ps();
-        macc0[r] = macc1[r] = 0.0f;
+    __m256 acc0[MAX_ROWS], acc1[MAX_ROWS], macc[MAX_ROWS], s8[MAX_ROWS];
+    for (int r = 0; r < ROWS; r++) acc0[r] = acc1[r] = macc[r] = _mm256_setzero_ps();
+    for (int g = 0; g < x.nb; g += SCALE_GROUP) {
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d16 + g)));
+        const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m16 + g)));
+        for (int r = 0; r < ROWS; r++) {
+            s8[r] = _mm256_mul_ps(d8, _mm256_loadu_ps(x.scale + r * x.nbp + g));
+            macc[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(x.sum + r * x.nbp + g), macc[r]);
+        }
+        const int end = g + SCALE_GROUP < x.nb ? g + SCALE_GROUP : x.nb;
+        for (int b = g; b < end; b += 2) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + (size_t)b * (QK / 2)));
+            const __m256i ca = _mm256_and_si256(v, low4), cb = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            const __m256i la = _mm256_set1_epi32(b - g), lb = _mm256_set1_epi32(b - g + 1);
+            for (int r = 0; r < ROWS; r++) {
+                const int8_t *xr = x.q + (size_t)r * x.k + (size_t)b * QK;
+                const __m256i pa = _mm256_madd_epi16(_mm256_maddubs_epi16(ca, _mm256_load_si256((const __m256i *)xr)), ones);
+                const __m256i pb =
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(cb, _mm256_load_si256((const __m256i *)(xr + QK))), ones);
+                acc0[r] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(s8[r], la), _mm256_cvtepi32_ps(pa), acc0[r]);
+                acc1[r] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(s8[r], lb), _mm256_cvtepi32_ps(pb), acc1[r]);
+            }
+        }
     }
-    int b = 0;
-    for (; b + 1 < x.nb; b += 2) {
-        q4_block(wb + b, b, x, ROWS, low4, ones, acc0, macc0);
-        q4_block(wb + b + 1, b + 1, x, ROWS, low4, ones, acc1, macc1);
-    }
-    if (b < x.nb) q4_block(wb + b, b, x, ROWS, low4, ones, acc0, macc0);
-    for (int r = 0; r < ROWS; r++) out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r])) + macc0[r] + macc1[r];
+    for (int r = 0; r < ROWS; r++) out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r])) + hsum(macc[r]);
 }
 
 /* one block of a q8 weight row against `ROWS` activation rows, into acc */
@@ -247,7 +248,7 @@ INLINE void q8_block(const int8_t *restrict wblk, int b, xrows x, const int ROWS
         const __m256i xq = _mm256_load_si256((const __m256i *)(x.q + (size_t)r * x.k + b * QK));
         /* |w| * (x with w's sign): unsigned x signed bytes, as vpmaddubsw wants */
         const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xq, wq)), ones);
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x.scale[r * x.nb + b]), _mm256_cvtepi32_ps(p), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x.scale[r * x.nbp + b]), _mm256_cvtepi32_ps(p), acc[r]);
     }
 }
 
@@ -281,7 +282,9 @@ INLINE void q8_dot(const int8_t *restrict wr, xrows x, const int ROWS, float *ou
 
 typedef struct {
     const quantized *qx;
-    const void *w;
+    const void *w;       /* q4: codes; q8: int8 codes */
+    const uint16_t *d16; /* q4: fp16 scales and offsets (out, padded blocks) */
+    const uint16_t *m16;
     const float *scales; /* q8: per output row */
     const float *bias;
     float *y;
@@ -291,17 +294,18 @@ typedef struct {
 #define ROWS_PER_CHUNK 32
 
 static xrows rows_of(const quantized *qx, int k) {
-    const xrows x = {qx->q, qx->scale, qx->sum, k, k / QK};
+    const xrows x = {qx->q, qx->scale, qx->sum, k, k / QK, padded_blocks(k)};
     return x;
 }
 
 static void q4_chunk(void *arg, int chunk) {
     const matmul_job *j = (const matmul_job *)arg;
     const xrows x = rows_of(j->qx, j->k);
-    const int nb = x.nb, end = (chunk + 1) * ROWS_PER_CHUNK < j->n ? (chunk + 1) * ROWS_PER_CHUNK : j->n;
+    const int end = (chunk + 1) * ROWS_PER_CHUNK < j->n ? (chunk + 1) * ROWS_PER_CHUNK : j->n;
     for (int o = chunk * ROWS_PER_CHUNK; o < end; o++) {
         float out[MAX_ROWS];
-#define Q4(R) q4_dot((const block_q4 *)j->w + (size_t)o * nb, x, R, out)
+#define Q4(R) \
+    q4_dot((const uint8_t *)j->w + (size_t)o * (x.k / 2), j->d16 + (size_t)o * x.nbp, j->m16 + (size_t)o * x.nbp, x, R, out)
         FOR_ROWS(j->rows, Q4)
         const float bo = j->bias ? j->bias[o] : 0.0f;
         for (int r = 0; r < j->rows; r++) j->y[(size_t)r * j->n + o] = out[r] + bo;
@@ -321,30 +325,30 @@ static void q8_chunk(void *arg, int chunk) {
     }
 }
 
-static int quantized_matmul(chunk_fn fn, const float *x, int rows, int k, const void *w, const float *scales, int n,
-                            const float *bias, float *y, int threads) {
-    if (rows < 1 || rows > MAX_ROWS || k % QK) return -1;
+static int quantized_matmul(chunk_fn fn, const float *x, int rows, int k, const void *w, const uint16_t *d16,
+                            const uint16_t *m16, const float *scales, int n, const float *bias, float *y, int threads) {
+    if (rows < 1 || rows > MAX_ROWS || k % QK || (d16 && k % (2 * QK))) return -1;
     quantized qx;
     if (quantize(x, rows, k, &qx)) {
         release(&qx);
         return -1;
     }
-    matmul_job job = {&qx, w, scales, bias, y, rows, k, n};
+    matmul_job job = {&qx, w, d16, m16, scales, bias, y, rows, k, n};
     parallel_chunks(fn, &job, (n + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK, threads);
     release(&qx);
     return 0;
 }
 
 /* y (rows, n) = x (rows, k) @ w.T (+ bias); returns 0, or -1 when rows or memory is out of range */
-int ts_q4_matmul(const float *x, int rows, int k, const block_q4 *w, int n, const float *bias, float *y,
-                 int threads) {
-    return quantized_matmul(q4_chunk, x, rows, k, w, NULL, n, bias, y, threads);
+int ts_q4_matmul(const float *x, int rows, int k, const uint8_t *codes, const uint16_t *d16, const uint16_t *m16,
+                 int n, const float *bias, float *y, int threads) {
+    return quantized_matmul(q4_chunk, x, rows, k, codes, d16, m16, NULL, n, bias, y, threads);
 }
 
 /* y (rows, n) = (x (rows, k) @ w.T) * scales (+ bias), w int8 (n, k) */
 int ts_q8_matmul(const float *x, int rows, int k, const int8_t *w, const float *scales, int n,
                  const float *bias, float *y, int threads) {
-    return quantized_matmul(q8_chunk, x, rows, k, w, scales, n, bias, y, threads);
+    return quantized_matmul(q8_chunk, x, rows, k, w, NULL, NULL, scales, n, bias, y, threads);
 }
 
 /* ---- the rest of a decode step, for few rows: each replaces several torch ops ---- */

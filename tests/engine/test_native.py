@@ -120,13 +120,13 @@ def test_rotary_on_a_slice_of_the_fused_projection() -> None:
     torch.testing.assert_close(apply_rotary(qk, cos, sin), expected)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (14, 2), (4, 4)])
-def test_decode_attention_over_paged_slots(heads: int, kv_heads: int) -> None:
+@pytest.mark.parametrize(("heads", "kv_heads", "hd"), [(9, 3, 64), (14, 2, 64), (4, 4, 128), (6, 2, 36)])
+def test_decode_attention_over_paged_slots(heads: int, kv_heads: int, hd: int) -> None:
     """Three sequences of different lengths, each reading scattered cache slots; the longest is
     split into parts of 256 slots that are merged afterwards."""
     assert kernels is not None
     torch.manual_seed(heads)
-    hd, num_slots = 64, 900
+    num_slots = 900
     k_cache, v_cache = torch.randn(kv_heads, num_slots, hd), torch.randn(kv_heads, num_slots, hd) * 3
     lengths = [1, 37, 600]
     perm = torch.randperm(num_slots)

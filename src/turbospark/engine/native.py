@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 ENV_VAR = "TURBOSPARK_NATIVE_KERNELS"
 SOURCE = Path(__file__).with_name("csrc") / "qgemv.c"
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno", "-pthread", "-shared", "-fPIC")
 REQUIRED_FLAGS = frozenset({"avx2", "fma", "f16c"})
 BLOCK = 32  # inputs per quantization block (activations and q4 weights)
 SCALE_GROUP = 8  # q4 scale rows are padded to a multiple of this many blocks
@@ -46,6 +46,8 @@ COMPILE_TIMEOUT_S = 120
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
+
+
 @dataclass(frozen=True, slots=True)
 class Kernels:
     """The loaded library: `q4_matmul` / `q8_matmul` on float32 rows."""
@@ -175,9 +177,15 @@ class Kernels:
 
 def takes(x: torch.Tensor) -> Kernels | None:
     """The kernels when they take this activation: float32 on the CPU, at most MAX_ROWS rows
-    (a decode step's), else None."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[0] > MAX_ROWS:
+    (a decode step's), else None. Called for every norm, rotary and MLP of a decode step."""
+    if x.dtype is not torch.float32 or x.shape[0] > MAX_ROWS or not x.is_cpu:
         return None
+    return _enabled()
+
+
+@functools.cache
+def _enabled() -> Kernels | None:
+    """The kernels where the CPU profile runs them (fixed for the process)."""
     from turbospark.engine.cpu_kernels import cpu_kernels
 
     return kernels() if cpu_kernels().native_rows else None

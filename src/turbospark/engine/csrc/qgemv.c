@@ -206,6 +206,24 @@ typedef struct {
     int k, nb, nbp; /* width, blocks, blocks padded (the stride of scale and sum) */
 } xrows;
 
+/* blocks g + lane and g + lane + 1 of a q4 weight row (one 32-byte load of codes) against `ROWS`
+ * activation rows, each scaled by its lane of the rows' combined scales s8 */
+INLINE void q4_pair(const uint8_t *restrict codes, int g, const int lane, xrows x, const int ROWS, __m256i low4,
+                    __m256i ones, const __m256 *s8, __m256 *acc0, __m256 *acc1) {
+    const int b = g + lane;
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + (size_t)b * (QK / 2)));
+    const __m256i ca = _mm256_and_si256(v, low4), cb = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    const __m256i la = _mm256_set1_epi32(lane), lb = _mm256_set1_epi32(lane + 1);
+    for (int r = 0; r < ROWS; r++) {
+        const int8_t *xr = x.q + (size_t)r * x.k + (size_t)b * QK;
+        const __m256i pa = _mm256_madd_epi16(_mm256_maddubs_epi16(ca, _mm256_load_si256((const __m256i *)xr)), ones);
+        const __m256i pb =
+            _mm256_madd_epi16(_mm256_maddubs_epi16(cb, _mm256_load_si256((const __m256i *)(xr + QK))), ones);
+        acc0[r] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(s8[r], la), _mm256_cvtepi32_ps(pa), acc0[r]);
+        acc1[r] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(s8[r], lb), _mm256_cvtepi32_ps(pb), acc1[r]);
+    }
+}
+
 /* one output row of a q4 weight against `ROWS` quantized activation rows. Per 8 blocks: their
  * weight scales times the rows' activation scales in one multiply, the offset term as one FMA
  * against the rows' block sums; per 2 blocks one 32-byte load of codes split into two registers
@@ -222,19 +240,13 @@ INLINE void q4_dot(const uint8_t *restrict codes, const uint16_t *restrict d16, 
             s8[r] = _mm256_mul_ps(d8, _mm256_loadu_ps(x.scale + r * x.nbp + g));
             macc[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(x.sum + r * x.nbp + g), macc[r]);
         }
-        const int end = g + SCALE_GROUP < x.nb ? g + SCALE_GROUP : x.nb;
-        for (int b = g; b < end; b += 2) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + (size_t)b * (QK / 2)));
-            const __m256i ca = _mm256_and_si256(v, low4), cb = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            const __m256i la = _mm256_set1_epi32(b - g), lb = _mm256_set1_epi32(b - g + 1);
-            for (int r = 0; r < ROWS; r++) {
-                const int8_t *xr = x.q + (size_t)r * x.k + (size_t)b * QK;
-                const __m256i pa = _mm256_madd_epi16(_mm256_maddubs_epi16(ca, _mm256_load_si256((const __m256i *)xr)), ones);
-                const __m256i pb =
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(cb, _mm256_load_si256((const __m256i *)(xr + QK))), ones);
-                acc0[r] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(s8[r], la), _mm256_cvtepi32_ps(pa), acc0[r]);
-                acc1[r] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(s8[r], lb), _mm256_cvtepi32_ps(pb), acc1[r]);
-            }
+        if (g + SCALE_GROUP <= x.nb) { /* a whole group: lanes known at compile time, loop unrolled */
+            q4_pair(codes, g, 0, x, ROWS, low4, ones, s8, acc0, acc1);
+            q4_pair(codes, g, 2, x, ROWS, low4, ones, s8, acc0, acc1);
+            q4_pair(codes, g, 4, x, ROWS, low4, ones, s8, acc0, acc1);
+            q4_pair(codes, g, 6, x, ROWS, low4, ones, s8, acc0, acc1);
+        } else {
+            for (int b = g; b < x.nb; b += 2) q4_pair(codes, g, b - g, x, ROWS, low4, ones, s8, acc0, acc1);
         }
     }
     for (int r = 0; r < ROWS; r++) out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r])) + hsum(macc[r]);
@@ -381,6 +393,21 @@ static inline float dot_f32(const float *a, const float *b, int n) {
     return s;
 }
 
+/* the dot products of q with eight rows k[0..7] (hd a multiple of 8): eight independent FMA
+ * chains, then one transposing reduction instead of eight horizontal sums */
+static inline __m256 dot8(const float *q, const float *const *k, int hd) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (int d = 0; d < hd; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[i] + d), a[i]);
+    }
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    /* t0 = [k0..k3 low halves | k0..k3 high halves], t1 the same for k4..k7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
 /* y = rms_norm(x + residual) * w per row of d; with `residual`, x + residual is also written
  * to `summed` (the residual stream's next value) */
 void ts_rms_norm(const float *x, const float *residual, float *summed, const float *w, float eps, int rows, int d,
@@ -461,16 +488,20 @@ static void attention_chunk(void *arg, int chunk) {
     const float *kbase = j->k_cache + (size_t)kh * j->num_slots * hd;
     const float *vbase = j->v_cache + (size_t)kh * j->num_slots * hd;
     float p[PART_SLOTS];
+    const int n = (int)(b - a);
     for (int g = 0; g < group; g++) {
         const float *qh = j->q + ((size_t)s * j->heads + kh * group + g) * hd;
         float *res = j->partial + ((size_t)chunk * group + g) * (hd + 2);
+        int t = 0;
+        if (hd % 8 == 0)
+            for (; t + 8 <= n; t += 8) {
+                const float *k8[8];
+                for (int i = 0; i < 8; i++) k8[i] = kbase + (size_t)ids[a + t + i] * hd;
+                _mm256_storeu_ps(p + t, _mm256_mul_ps(dot8(qh, k8, hd), _mm256_set1_ps(j->scale)));
+            }
+        for (; t < n; t++) p[t] = dot_f32(qh, kbase + (size_t)ids[a + t] * hd, hd) * j->scale;
         float mx = -INFINITY;
-        for (int64_t t = a; t < b; t++) {
-            const float sc = dot_f32(qh, kbase + (size_t)ids[t] * hd, hd) * j->scale;
-            p[t - a] = sc;
-            mx = sc > mx ? sc : mx;
-        }
-        const int n = (int)(b - a);
+        for (t = 0; t < n; t++) mx = p[t] > mx ? p[t] : mx;
         __m256 tot8 = _mm256_setzero_ps();
         int i = 0;
         for (; i + 8 <= n; i += 8) {
@@ -483,16 +514,28 @@ static void attention_chunk(void *arg, int chunk) {
             p[i] = expf(p[i] - mx);
             total += p[i];
         }
-        float o[MAX_HEAD_DIM];
-        for (int d = 0; d < hd; d++) o[d] = 0.0f;
-        for (int64_t t = a; t < b; t++) {
-            const float *vt = vbase + (size_t)ids[t] * hd;
-            const float pt = p[t - a];
-            for (int d = 0; d < hd; d++) o[d] += pt * vt[d];
-        }
         res[0] = mx;
         res[1] = total;
-        for (int d = 0; d < hd; d++) res[2 + d] = o[d];
+        float *o = res + 2;
+        if (hd % 64 == 0) {
+            /* 64 output dims at a time in eight registers, over every slot of the part */
+            for (int d0 = 0; d0 < hd; d0 += 64) {
+                __m256 acc[8];
+                for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+                for (int u = 0; u < n; u++) {
+                    const float *vt = vbase + (size_t)ids[a + u] * hd + d0;
+                    const __m256 pu = _mm256_set1_ps(p[u]);
+                    for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(pu, _mm256_loadu_ps(vt + 8 * r), acc[r]);
+                }
+                for (int r = 0; r < 8; r++) _mm256_storeu_ps(o + d0 + 8 * r, acc[r]);
+            }
+        } else {
+            for (int d = 0; d < hd; d++) o[d] = 0.0f;
+            for (int u = 0; u < n; u++) {
+                const float *vt = vbase + (size_t)ids[a + u] * hd;
+                for (int d = 0; d < hd; d++) o[d] += p[u] * vt[d];
+            }
+        }
     }
 }
 

@@ -1,0 +1,96 @@
+"""Single-stream decode rate through the HTTP API against the engine's own, same machine, same run.
+
+The engine side is `bench_engine_cpu.py`'s (the model built as the server builds it, greedy,
+decode timed after a prompt of `--prompt-tokens`). The HTTP side is `turbospark serve --model M`
+with default flags in a subprocess: one streamed `/v1/chat/completions` request at a time,
+greedy, a prompt of about the same length, `max_tokens` = `--new-tokens`; its decode rate is
+(completion tokens - 1) / (time from the first content chunk to the last). The two alternate
+`--rounds` times (the server idles while the engine runs and the other way round), and medians
+are reported with their ratio: the issue's target is HTTP >= 95% of the engine.
+
+    python benchmarks/bench_http_decode.py --model smollm2 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import httpx
+import torch
+from bench_engine_cpu import PROMPT_TEXT, cpu_kind, prompt_ids, turbospark_engine
+
+from turbospark.engine.cpu_kernels import cpu_kernels
+from turbospark.engine.loader import load_checkpoint
+from turbospark.testing import ServerProcess
+
+
+def http_decode(url: str, model: str, text: str, new_tokens: int) -> tuple[float, int]:
+    """(decode tokens/s, completion tokens) of one streamed greedy request."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": new_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    stamps: list[float] = []
+    tokens = 0
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as reply:
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                stamps.append(time.perf_counter())
+    if tokens < 2 or len(stamps) < 2:
+        raise RuntimeError(f"the reply was too short to time ({tokens} tokens)")
+    return (tokens - 1) / (stamps[-1] - stamps[0]), tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    print(cpu_kind())
+    print(cpu_kernels().describe())
+    print(f"threads {torch.get_num_threads()}, torch {torch.__version__}")
+    ckpt = load_checkpoint(args.model, progress=False)
+    ids = prompt_ids(lambda t: ckpt.tokenizer.encode(t).ids, args.prompt_tokens)
+    engine = turbospark_engine(
+        ckpt.config, dict(ckpt.tensors), args.prompt_tokens + args.new_tokens + 64, 1.0
+    )
+    # the same text, cut to about the prompt length (the chat template adds a few tokens)
+    text = ckpt.tokenizer.decode(ids[: args.prompt_tokens - 32])
+    engine_rates, http_rates, lengths = [], [], []
+    with ServerProcess("--model", args.model) as server:
+        server.wait_healthy(timeout=600)
+        http_decode(server.url, args.model, PROMPT_TEXT, 8)  # warm-up: first calls allocate
+        engine.decode(ids[:64], 8)
+        for _ in range(args.rounds):
+            engine_rates.append(args.new_tokens / engine.decode(ids, args.new_tokens))
+            rate, n = http_decode(server.url, args.model, text, args.new_tokens)
+            http_rates.append(rate)
+            lengths.append(n)
+    med_engine, med_http = statistics.median(engine_rates), statistics.median(http_rates)
+    print(f"\n{args.model}, decode after ~{args.prompt_tokens} prompt tokens, {args.rounds} rounds")
+    print(f"engine  {med_engine:6.1f} tok/s  (rounds: {', '.join(f'{r:.1f}' for r in engine_rates)})")
+    print(
+        f"HTTP    {med_http:6.1f} tok/s  (rounds: {', '.join(f'{r:.1f}' for r in http_rates)}; tokens {lengths})"
+    )
+    print(f"HTTP / engine: {med_http / med_engine:.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -20,8 +20,8 @@ import time
 
 import httpx
 import torch
-from bench_engine_cpu import PROMPT_TEXT, cpu_kind, prompt_ids, turbospark_engine
 
+from bench_engine_cpu import PROMPT_TEXT, cpu_kind, prompt_ids, turbospark_engine
 from turbospark.engine.cpu_kernels import cpu_kernels
 from turbospark.engine.loader import load_checkpoint
 from turbospark.testing import ServerProcess

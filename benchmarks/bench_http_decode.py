@@ -86,9 +86,8 @@ def main() -> None:
     med_engine, med_http = statistics.median(engine_rates), statistics.median(http_rates)
     print(f"\n{args.model}, decode after ~{args.prompt_tokens} prompt tokens, {args.rounds} rounds")
     print(f"engine  {med_engine:6.1f} tok/s  (rounds: {', '.join(f'{r:.1f}' for r in engine_rates)})")
-    print(
-        f"HTTP    {med_http:6.1f} tok/s  (rounds: {', '.join(f'{r:.1f}' for r in http_rates)}; tokens {lengths})"
-    )
+    http_rounds = ", ".join(f"{r:.1f}" for r in http_rates)
+    print(f"HTTP    {med_http:6.1f} tok/s  (rounds: {http_rounds}; tokens {lengths})")
     print(f"HTTP / engine: {med_http / med_engine:.1%}")
 
 

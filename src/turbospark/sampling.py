@@ -8,7 +8,10 @@ request seeded the same way samples the same tokens.
 `filter_logits` is the plain statement of the filters (masks over the whole vocabulary).
 `candidates` computes the same kept set and probabilities without sorting the vocabulary
 (a 150k-entry sort per token costs more than a small model's decode step), and `sample` draws
-from it with the exponential race: argmax(p / E), E ~ Exp(1), picks i with probability p_i.
+from it by inverting the cumulative distribution with one uniform number (`draw`): one random
+number per token instead of one per vocabulary entry (the exponential race this replaced drew
+49k numbers a token on SmolLM2: 0.45 ms of a ~17 ms decode step, measured on a 2-core EPYC).
+Greedy rows take numpy's argmax (5 us over 49k logits against 75 us for torch's, same CPU).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import functools
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from turbospark.backend import GenerationConfig, TokenEvent
@@ -91,11 +95,30 @@ def candidates(logits: torch.Tensor, config: GenerationConfig) -> tuple[torch.Te
         probs, ids = _nucleus(probs, ids, config.top_p)
     if ids is None:
         ids = _vocab_ids(vocab)
-        if bool((probs > 0).all()):
-            return ids, probs  # nothing filtered (the usual plain-temperature case): no gathers
+        # nothing filtered (the usual plain-temperature case): no gathers; on the CPU numpy's
+        # min is a tenth of torch's `(probs > 0).all()` over a vocabulary
+        nothing_filtered = bool((probs > 0).all()) if probs.is_cuda else float(probs.numpy().min()) > 0.0
+        if nothing_filtered:
+            return ids, probs
     keep = probs > 0
     kept = probs[keep]
     return ids[keep], kept / kept.sum()
+
+
+def draw(ids: torch.Tensor, probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from `candidates`' (ids, probs): the first whose cumulative probability passes
+    a uniform draw (float64, scaled to the sum so rounding in the sum cannot run off the end)."""
+    cdf = torch.cumsum(probs.double(), dim=0)
+    u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
+    i = min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[0] - 1)
+    return int(ids[i])
+
+
+def greedy_ids(logits: torch.Tensor) -> list[int]:
+    """argmax of each row of (rows, vocab) logits; numpy's on the CPU (15x torch's there)."""
+    if logits.is_cuda or logits.dtype != torch.float32:
+        return [int(t) for t in logits.argmax(dim=-1).tolist()]
+    return [int(t) for t in np.argmax(logits.numpy(), axis=-1)]
 
 
 @functools.lru_cache(maxsize=4)
@@ -197,16 +220,14 @@ def _sample_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Tok
                 out[i] = exc
     greedy = [i for i, row in enumerate(rows) if row.config.is_greedy and out[i] is None]
     if greedy:
-        picked = (logits[greedy] if len(greedy) < len(rows) else logits).argmax(dim=-1).tolist()
+        picked = greedy_ids(logits[greedy] if len(greedy) < len(rows) else logits)
         for i, token_id in zip(greedy, picked, strict=True):
             out[i] = TokenEvent(token_id=int(token_id))
     if logits.is_cuda and any(e is None for e in out):
         _sample_on_device(logits, rows, out)
     for i, row in enumerate(rows):
         if out[i] is None:
-            ids, probs = candidates(logits[i], row.config)
-            race = torch.rand(probs.shape, generator=row.generator).log_().neg_()
-            out[i] = TokenEvent(token_id=int(ids[torch.argmax(probs / race)]))
+            out[i] = TokenEvent(token_id=draw(*candidates(logits[i], row.config), row.generator))
     wants_logprobs = [
         i
         for i, row in enumerate(rows)
@@ -225,8 +246,9 @@ def _sample_on_device(
     logits: torch.Tensor, rows: Sequence[SamplingRow], out: list[TokenEvent | Exception | None]
 ) -> None:
     """Every row of `out` still empty, drawn on the GPU in one launch (`cuda_ops.sample_rows`):
-    the Gumbel-max form of the CPU's exponential race, with row i's noise keyed by a seed drawn
-    from its own generator, so a seed reproduces its tokens on that device. A row with top-k,
+    Gumbel-max sampling (an exact draw like the CPU's `draw`, from another random stream), with
+    row i's noise keyed by a seed drawn from its own generator, so a seed reproduces its tokens
+    on that device. A row with top-k,
     top-p or min-p is masked by `filter_logits` first; the others are only scaled."""
     from turbospark.engine import cuda_ops
 
@@ -270,12 +292,9 @@ def _sample(
     for proc in config.processors:
         proc(generated_ids, logits)
     if config.is_greedy:
-        token_id = int(torch.argmax(logits))
+        token_id = greedy_ids(logits[None])[0]
     else:
-        ids, probs = candidates(logits, config)
-        # Exp(1) draws as -log(U): torch's exponential_ is several times slower than rand
-        race = torch.rand(probs.shape, generator=generator).log_().neg_()
-        token_id = int(ids[torch.argmax(probs / race)])
+        token_id = draw(*candidates(logits, config), generator)
     event = TokenEvent(token_id=token_id)
     if config.num_top_logprobs is not None:
         _attach_logprobs(event, torch.log_softmax(logits, dim=-1), config)

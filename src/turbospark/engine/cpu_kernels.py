@@ -22,8 +22,8 @@ its blocked layout, float32 activations, float32 FMAs) beat both: Qwen2.5-0.5B's
   turbospark's own AVX2 kernels (`turbospark.engine.native`: int8 activations in blocks of 32
   against the int4 / int8 codes, as llama.cpp does), where the CPU has AVX2, FMA and F16C and a
   C compiler builds them; 0 elsewhere, or with `TURBOSPARK_NATIVE_KERNELS=0`. On the AVX2 EPYC
-  they run SmolLM2's and Qwen2.5-0.5B's decode shapes about twice as fast as torch's int4 /
-  int8 kernels (below);
+  SmolLM2's decode went from 29.9 to 61.6 tok/s with them (benchmarks/RESULTS.md); measured on
+  no other CPU kind yet;
 - torch's decode kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`), where the
   native ones do not run, get bf16 activations: with float32 activations both run 20-100x
   slower on AVX2 (measured).

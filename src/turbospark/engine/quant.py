@@ -5,6 +5,10 @@
 - "int4": asymmetric int4 in groups of `group_size` input channels, packed by
   `aten._convert_weight_to_int4pack_for_cpu` and run by `aten._weight_int4pack_mm_for_cpu`.
 
+Where the native kernels run (`turbospark.engine.native`, x86 with AVX2), a decode step's rows
+take them instead: the int8 codes as they are, the int4 codes in the native q4 layout (torch's
+int4 layout is then not built).
+
 Embeddings stay float: a lookup reads one row per token, so quantizing them saves no time.
 The lm_head is int8 in both modes (see `quantize_linear`).
 The float path is the numerics reference; tests bound how far each quantized path drifts.

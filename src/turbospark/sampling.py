@@ -109,7 +109,10 @@ def draw(ids: torch.Tensor, probs: torch.Tensor, generator: torch.Generator) -> 
     """One token from `candidates`' (ids, probs): the first whose cumulative probability passes
     a uniform draw (float64, scaled to the sum so rounding in the sum cannot run off the end)."""
     cdf = torch.cumsum(probs.double(), dim=0)
-    u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
+    u = (
+        torch.rand(1, generator=generator, dtype=torch.float64, device=generator.device).to(cdf.device)
+        * cdf[-1]
+    )
     i = min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[0] - 1)
     return int(ids[i])
 

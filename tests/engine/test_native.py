@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from turbospark.engine import native
-from turbospark.engine.cpu_kernels import cpu_kernels
+from turbospark.engine.cpu_kernels import cpu_kernels, detect
 from turbospark.engine.layers import Linear, apply_rotary
 from turbospark.engine.quant import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 
@@ -77,10 +77,16 @@ def test_quantized_linears_take_decode_rows_natively_and_agree_with_their_other_
     lin.bias.data = torch.randn(96)
     x = torch.randn(native.MAX_ROWS + 24, 256)
     for native_layer, torch_layer in [
-        (Int4Linear(lin, torch.float32, 32), Int4Linear(lin, torch.float32, 32, native_rows=0)),
-        (Int8Linear(lin, torch.float32), Int8Linear(lin, torch.float32, native_rows=0)),
+        (
+            Int4Linear(lin, torch.float32, 32, native_rows=native.MAX_ROWS),
+            Int4Linear(lin, torch.float32, 32, native_rows=0),
+        ),
+        (
+            Int8Linear(lin, torch.float32, native_rows=native.MAX_ROWS),
+            Int8Linear(lin, torch.float32, native_rows=0),
+        ),
     ]:
-        assert native_layer.native_rows == cpu_kernels().native_rows == native.MAX_ROWS
+        assert native_layer.native_rows == native.MAX_ROWS
         few = x[: native.MAX_ROWS]
         assert relative_error(native_layer(few), torch_layer(few)) < QUANT_BOUND
         # one row at a time equals the same rows together: a row's result does not depend on its batch
@@ -142,3 +148,19 @@ def test_decode_attention_over_paged_slots(heads: int, kv_heads: int, hd: int) -
             q[s][:, None], ks, vs, scale=hd**-0.5, enable_gqa=True
         )  # (heads, 1, hd)
         torch.testing.assert_close(got[s], expected[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_the_profile_uses_them_only_where_bf16_is_emulated(monkeypatch) -> None:
+    """Measured: faster than torch's kernels on an AVX2 EPYC, slower on an AMX Xeon (bf16)."""
+    monkeypatch.delenv(native.ENV_VAR, raising=False)
+    if cpu_kernels().native_bf16:
+        assert detect().native_rows == 0
+    else:
+        assert detect().native_rows == native.MAX_ROWS
+    monkeypatch.setenv(native.ENV_VAR, "0")
+    assert native.mode() == "off" and native.unavailable_reason() is not None
+    monkeypatch.setenv(native.ENV_VAR, "1")
+    assert native.mode() == "on"
+    assert detect(override="bf16").native_rows == native.MAX_ROWS  # forced on: wherever they run
+    monkeypatch.setenv(native.ENV_VAR, "auto")
+    assert detect(override="bf16").native_rows == 0

@@ -21,9 +21,11 @@ its blocked layout, float32 activations, float32 FMAs) beat both: Qwen2.5-0.5B's
 - `native_rows`: matmuls of up to this many rows (decode steps) of a quantized linear run
   turbospark's own AVX2 kernels (`turbospark.engine.native`: int8 activations in blocks of 32
   against the int4 / int8 codes, as llama.cpp does), where the CPU has AVX2, FMA and F16C and a
-  C compiler builds them; 0 elsewhere, or with `TURBOSPARK_NATIVE_KERNELS=0`. On the AVX2 EPYC
-  SmolLM2's decode went from 29.9 to 61.6 tok/s with them (benchmarks/RESULTS.md); measured on
-  no other CPU kind yet;
+  C compiler builds them, and bf16 is emulated; 0 elsewhere. On the AVX2 EPYC SmolLM2's decode
+  went from 29.9 to 61.6 tok/s with them; on a Sapphire Rapids Xeon (AMX, native bf16: torch's
+  kernels run bf16 activations there) they were slower than torch's for int4 (0.85x) and even
+  for int8 (0.99x; benchmarks/RESULTS.md), so that kind keeps torch's. `TURBOSPARK_NATIVE_KERNELS`
+  = "auto" (default, as said), "1" (wherever they can run) or "0" (never);
 - torch's decode kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`), where the
   native ones do not run, get bf16 activations: with float32 activations both run 20-100x
   slower on AVX2 (measured).
@@ -112,8 +114,8 @@ def detect(
 ) -> CpuKernels:
     """The profile for this CPU (or for `flags`), with `override` (or $TURBOSPARK_CPU_KERNELS);
     `native_rows` None: what this machine's native kernels take (0 when `flags` are given)."""
-    if native_rows is None:
-        native_rows = _native_rows() if flags is None else 0
+    if native_rows is None and flags is not None:
+        native_rows = 0
     if flags is None:
         flags = cpu_flags()
     if override is None:
@@ -125,6 +127,8 @@ def detect(
     native_bf16 = amx or "avx512_bf16" in flags
     vnni = "avx512_vnni" in flags or "avx_vnni" in flags
     dense_bf16 = native_bf16 if override == "auto" else override == "bf16"
+    if native_rows is None:
+        native_rows = _native_rows(dense_bf16)
     packed_half = not dense_bf16 and override != "float32" and has_fbgemm_half()
     return CpuKernels(
         capability=capability,
@@ -139,10 +143,14 @@ def detect(
     )
 
 
-def _native_rows() -> int:
-    """Rows per matmul the native kernels take on this machine: compiles them on first use."""
+def _native_rows(dense_bf16: bool) -> int:
+    """Rows per matmul the native kernels take on this machine (compiles them on first use):
+    by default only where activations are float32 (bf16 emulated), where they were measured
+    faster; $TURBOSPARK_NATIVE_KERNELS=1 wherever they can run."""
     from turbospark.engine import native
 
+    if dense_bf16 and native.mode() != "on":
+        return 0
     return NATIVE_MAX_ROWS if native.kernels() is not None else 0
 
 

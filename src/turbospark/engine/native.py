@@ -15,7 +15,8 @@ thread the OS has not scheduled (another process, or the server's event loop, on
 cores) delays nothing; an OpenMP region waits for every thread of its team (see the C file).
 The thread count is torch's (`torch.get_num_threads()`). Where there is no compiler, no AVX2 /
 FMA / F16C, or `TURBOSPARK_NATIVE_KERNELS=0`, `kernels()` is None and the quantized linears keep
-torch's kernels.
+torch's kernels; where bf16 is native (AMX, AVX-512 BF16) the CPU profile does not use them
+unless `TURBOSPARK_NATIVE_KERNELS=1` (measured slower there, see `cpu_kernels`).
 """
 
 from __future__ import annotations
@@ -301,9 +302,20 @@ def _load(path: Path) -> Kernels:
     return Kernels(lib, path)
 
 
+def mode() -> str:
+    """$TURBOSPARK_NATIVE_KERNELS as "auto" (default: where the CPU profile runs them), "on"
+    (wherever they can run) or "off"."""
+    value = os.environ.get(ENV_VAR, "auto").strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return "off"
+    if value in ("1", "on", "true", "yes"):
+        return "on"
+    return "auto"
+
+
 def unavailable_reason(flags: frozenset[str] | None = None) -> str | None:
     """Why the kernels cannot run here (None: they can, given a compiler)."""
-    if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "off", "false", "no"):
+    if mode() == "off":
         return f"{ENV_VAR} turns them off"
     missing = REQUIRED_FLAGS - (_cpu_flags() if flags is None else flags)
     if missing:

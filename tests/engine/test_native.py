@@ -8,6 +8,8 @@ other kernels do float32 arithmetic in another order than torch: bounded at 1e-5
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -94,6 +96,31 @@ def test_quantized_linears_take_decode_rows_natively_and_agree_with_their_other_
         assert torch.equal(one_by_one, native_layer(few))
         # past the limit the layer leaves the native kernel: the packed / expanded path, same weight
         torch.testing.assert_close(native_layer(x), torch_layer(x))
+
+
+def test_two_callers_at_once_get_their_own_results() -> None:
+    """Two engines (two served models) call the kernels from two threads at once: the pool
+    serves one, the other computes on its own thread; neither sees the other's work."""
+    assert kernels is not None
+    torch.manual_seed(1)
+    # sized so that the calls overlap: the pool before this test crashed the process here
+    weights = [quantize_int8(torch.randn(2048, 1024) * 0.05) for _ in range(2)]
+    xs = [torch.randn(2, 1024) for _ in range(2)]
+    expected = [kernels.q8_matmul(x, q, s, None) for x, (q, s) in zip(xs, weights, strict=True)]
+    mismatches: list[int] = []
+
+    def hammer(i: int) -> None:
+        q, s = weights[i]
+        for _ in range(400):
+            if not torch.equal(kernels.q8_matmul(xs[i], q, s, None), expected[i]):
+                mismatches.append(i)
+
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not mismatches
 
 
 def test_rms_norm_with_and_without_the_residual() -> None:

@@ -167,11 +167,14 @@ static void *helper_main(void *arg) {
     return NULL;
 }
 
-/* runs fn(ctx, 0 .. chunks - 1) on up to `threads` threads, the caller one of them; one caller at
- * a time (the engine's thread) */
+static pthread_mutex_t pool_owner = PTHREAD_MUTEX_INITIALIZER;
+
+/* runs fn(ctx, 0 .. chunks - 1) on up to `threads` threads, the caller one of them. The pool
+ * serves one caller at a time (an engine thread); a second caller meanwhile (another model's
+ * engine) runs its chunks on its own thread rather than wait */
 static void parallel_chunks(chunk_fn fn, void *ctx, int chunks, int threads) {
     if (threads > MAX_HELPERS + 1) threads = MAX_HELPERS + 1;
-    if (threads <= 1 || chunks <= 1) {
+    if (threads <= 1 || chunks <= 1 || pthread_mutex_trylock(&pool_owner) != 0) {
         for (int c = 0; c < chunks; c++) fn(ctx, c);
         return;
     }
@@ -193,6 +196,7 @@ static void parallel_chunks(chunk_fn fn, void *ctx, int chunks, int threads) {
     run_chunks(gen, fn, ctx, chunks);
     /* every chunk is claimed; wait for those a helper is still running */
     while (atomic_load_explicit(&pool.done, memory_order_acquire) < chunks) _mm_pause();
+    pthread_mutex_unlock(&pool_owner);
 }
 
 #define INLINE static inline __attribute__((always_inline))

@@ -31,6 +31,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,51 +52,36 @@ _I = ctypes.c_int
 
 @dataclass(frozen=True, slots=True)
 class Kernels:
-    """The loaded library: `q4_matmul` / `q8_matmul` on float32 rows."""
+    """The loaded library: quantized matmuls and the decode step's other kernels, on float32."""
 
     lib: ctypes.CDLL
     path: Path
 
     def q4_matmul(self, x: torch.Tensor, w: Q4Weight, bias: torch.Tensor | None) -> torch.Tensor:
         """x (rows, in) float32 @ the q4 weight (+ bias float32)."""
-        rows, k = x.shape
-        x = x.contiguous()
-        y = torch.empty(rows, w.out_features, dtype=torch.float32)
-        rc = self.lib.ts_q4_matmul(
-            x.data_ptr(),
-            rows,
-            k,
-            w.codes.data_ptr(),
-            w.scales.data_ptr(),
-            w.offsets.data_ptr(),
-            w.out_features,
-            _ptr(bias),
-            y.data_ptr(),
-            torch.get_num_threads(),
-        )
-        _check(rc, rows, k)
-        return y
+        weight = (w.codes.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr())
+        return self._matmul(self.lib.ts_q4_matmul, x, weight, w.out_features, bias)
 
     def q8_matmul(
         self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """(x (rows, in) float32 @ codes.T (out, in) int8) * scales (out,) float32 (+ bias)."""
+        weight = (codes.data_ptr(), scales.data_ptr())
+        return self._matmul(self.lib.ts_q8_matmul, x, weight, codes.shape[0], bias)
+
+    @staticmethod
+    def _matmul(
+        fn: Any, x: torch.Tensor, weight: tuple[int, ...], n: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """y (rows, n) float32 from one of the C matmuls: (x, rows, k, *weight, n, bias, y, threads)."""
         rows, k = x.shape
-        n = codes.shape[0]
         x = x.contiguous()
         y = torch.empty(rows, n, dtype=torch.float32)
-        rc = self.lib.ts_q8_matmul(
-            x.data_ptr(),
-            rows,
-            k,
-            codes.data_ptr(),
-            scales.data_ptr(),
-            n,
-            _ptr(bias),
-            y.data_ptr(),
-            torch.get_num_threads(),
-        )
-        _check(rc, rows, k)
+        rc = fn(x.data_ptr(), rows, k, *weight, n, _ptr(bias), y.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(
+                f"native matmul refused {rows} rows of width {k} (at most {MAX_ROWS} rows, width % 32 == 0)"
+            )
         return y
 
     def rms_norm(
@@ -194,13 +180,6 @@ def _enabled() -> Kernels | None:
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
-
-
-def _check(rc: int, rows: int, k: int) -> None:
-    if rc != 0:
-        raise RuntimeError(
-            f"native matmul refused {rows} rows of width {k} (at most {MAX_ROWS} rows, width % 32 == 0)"
-        )
 
 
 def supports(in_features: int, bits: int = 8) -> bool:

@@ -275,16 +275,17 @@ class CpuAttention:
         num_heads, head_dim = qd.shape[1:]
         num_kv_heads = k_cache.shape[0]
         qd = qd.view(-1, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (decodes, kv heads, group, hd)
-        if plan.decode_gather is None:
-            ks, vs = _gather(k_cache, plan.decode_view), _gather(v_cache, plan.decode_view)
+        if len(plan.decode_slots) == 1:  # one sequence: a view of the cache where its blocks are consecutive
+            ks, vs = _gather(k_cache, plan.decode_slots[0]), _gather(v_cache, plan.decode_slots[0])
             o = F.scaled_dot_product_attention(qd, ks[None], vs[None], scale=scale)
         else:
+            gather, mask = plan.padded_decode_gather()
             num_decodes, max_len = plan.decode_shape
             shape = (num_kv_heads, num_decodes, max_len, head_dim)
-            ks = k_cache.index_select(1, plan.decode_gather).view(shape)
-            vs = v_cache.index_select(1, plan.decode_gather).view(shape)
+            ks = k_cache.index_select(1, gather).view(shape)
+            vs = v_cache.index_select(1, gather).view(shape)
             o = F.scaled_dot_product_attention(
-                qd, ks.transpose(0, 1), vs.transpose(0, 1), attn_mask=plan.decode_mask, scale=scale
+                qd, ks.transpose(0, 1), vs.transpose(0, 1), attn_mask=mask, scale=scale
             )  # (num_decodes, num_kv_heads, group, head_dim)
         return o.reshape(-1, num_heads, head_dim)
 
@@ -293,14 +294,13 @@ class _CpuPlan:
     """Index tensors for one step, built on the first layer and reused by the others."""
 
     def __init__(self, meta: AttentionMetadata, device: torch.device) -> None:
-        self._decode_slots: list[slice | list[int]] = []
-        self._slot_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.device = device
         starts = [0]
         for n in meta.query_lens_host:
             starts.append(starts[-1] + n)
         self.decode_rows: list[int] = []
-        decode_slots: list[slice | list[int]] = []
-        decode_lens: list[int] = []
+        self.decode_slots: list[slice | list[int]] = []
+        self.decode_lens: list[int] = []
         # (first row, query_len, the slots to read, mask): with the CPU flash kernel the slots are
         # the cached prefix and the mask is None; otherwise the whole context with its mask
         self.spans: list[tuple[int, int, slice | torch.Tensor, torch.Tensor | None]] = []
@@ -308,8 +308,8 @@ class _CpuPlan:
             slots = meta.context_slots(i)
             if qlen == 1:
                 self.decode_rows.append(starts[i])
-                decode_slots.append(slots)
-                decode_lens.append(kv_len)
+                self.decode_slots.append(slots)
+                self.decode_lens.append(kv_len)
                 continue
             cached = kv_len - qlen
             mask = None
@@ -320,26 +320,30 @@ class _CpuPlan:
                 slots = slots[:cached] if isinstance(slots, list) else slots  # the cached prefix only
             read = torch.tensor(slots, dtype=torch.long, device=device) if isinstance(slots, list) else slots
             self.spans.append((starts[i], qlen, read, mask))
-        self._decode_slots = decode_slots
         self.decode_rows_t = torch.tensor(self.decode_rows, dtype=torch.long, device=device)
-        self.decode_view: slice | list[int] = slice(0)
-        self.decode_gather: torch.Tensor | None = None
-        self.decode_mask: torch.Tensor | None = None
-        self.decode_shape = (len(decode_lens), max(decode_lens, default=0))
-        if len(decode_slots) == 1:
-            self.decode_view = decode_slots[0]
-        elif decode_slots:
+        self.decode_shape = (len(self.decode_lens), max(self.decode_lens, default=0))
+        # built by the first layer that asks, for the path it takes (native kernel or SDPA)
+        self._slot_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._padded: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def padded_decode_gather(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For SDPA over two or more decoding sequences: (the slots to gather, each context
+        padded to the longest with a real slot; the key mask (num_decodes, 1, 1, max_len))."""
+        if self._padded is None:
             max_len = self.decode_shape[1]
             flat: list[int] = []
-            for slots, n in zip(decode_slots, decode_lens, strict=True):
+            for slots, n in zip(self.decode_slots, self.decode_lens, strict=True):
                 ids = list(range(slots.start, slots.stop)) if isinstance(slots, slice) else slots
                 flat.extend(ids)
                 flat.extend([ids[0]] * (max_len - n))  # padding reads a real slot, masked out
-            self.decode_gather = torch.tensor(flat, dtype=torch.long, device=device)
-            lens = torch.tensor(decode_lens, device=device)
-            # (num_decodes, 1, 1, max_len): broadcast over kv heads and the group's query rows
-            is_real = torch.arange(max_len, device=device)[None, :] < lens[:, None]  # (num_decodes, max_len)
-            self.decode_mask = is_real[:, None, None, :]
+            gather = torch.tensor(flat, dtype=torch.long, device=self.device)
+            lens = torch.tensor(self.decode_lens, device=self.device)
+            # broadcast over kv heads and the group's query rows
+            is_real = (
+                torch.arange(max_len, device=self.device)[None, :] < lens[:, None]
+            )  # (num_decodes, max_len)
+            self._padded = (gather, is_real[:, None, None, :])
+        return self._padded
 
     def decode_slot_ids(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(slot ids of every decoding sequence's context, concatenated; offsets (num_decodes + 1)),
@@ -347,7 +351,7 @@ class _CpuPlan:
         if self._slot_ids is None:
             parts = [
                 torch.arange(s.start, s.stop) if isinstance(s, slice) else torch.tensor(s, dtype=torch.long)
-                for s in self._decode_slots
+                for s in self.decode_slots
             ]
             offsets = [0]
             for p in parts:

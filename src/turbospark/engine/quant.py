@@ -36,8 +36,6 @@ MIN_ROWS_TO_DEQUANTIZE = 32
 # every matmul of at least this many rows runs on it: from 2 rows on it beats both int kernels
 # (Qwen2.5-0.5B / SmolLM2 shapes, 2-core AVX2 EPYC: 8 rows 0.26-1.6 ms against 0.40-2.9 ms).
 MIN_ROWS_PACKED = 2
-# Where turbospark's own kernels run (`cpu_kernels().native_rows`), matmuls of up to that many
-# rows (decode steps) take them instead of torch's int kernels or the packed copy.
 QUANT_CHUNK_ROWS = 4096
 LM_HEAD_MAX_PADDING = 1.25
 

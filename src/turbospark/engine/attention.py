@@ -238,11 +238,7 @@ class CpuAttention:
         num_kv_heads = k_cache.shape[0]
         group = num_heads // num_kv_heads
         out = q.new_empty(num_tokens, num_heads, head_dim)
-        plan = meta.scratch.get("cpu_plan")
-        if plan is None:
-            plan = _CpuPlan(meta, q.device)
-            meta.scratch["cpu_plan"] = plan
-        assert isinstance(plan, _CpuPlan)
+        plan = _plan(meta, q.device)
         if plan.decode_rows:
             qd = q[plan.decode_rows_t] if len(plan.decode_rows) != num_tokens else q
             od = self._decode(qd, k_cache, v_cache, plan, scale)  # (num_decodes, num_heads, head_dim)
@@ -288,6 +284,22 @@ class CpuAttention:
                 qd, ks.transpose(0, 1), vs.transpose(0, 1), attn_mask=mask, scale=scale
             )  # (num_decodes, num_kv_heads, group, head_dim)
         return o.reshape(-1, num_heads, head_dim)
+
+
+def _plan(meta: AttentionMetadata, device: torch.device) -> _CpuPlan:
+    """The step's plan, built by the first layer that asks."""
+    plan = meta.scratch.get("cpu_plan")
+    if plan is None:
+        plan = _CpuPlan(meta, device)
+        meta.scratch["cpu_plan"] = plan
+    assert isinstance(plan, _CpuPlan)
+    return plan
+
+
+def decode_slot_ids(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot ids of every decoding sequence's context, concatenated; offsets (num_decodes + 1)),
+    int64 on the CPU: what the native decode kernels read."""
+    return _plan(meta, torch.device("cpu")).decode_slot_ids()
 
 
 class _CpuPlan:

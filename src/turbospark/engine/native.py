@@ -278,6 +278,9 @@ def _load(path: Path) -> Kernels:
     lib.ts_rotary.restype = None
     lib.ts_decode_attention.argtypes = [_P, _P, _P, ctypes.c_int64, _P, _P, _I, _I, _I, _I, F, _P, _I]
     lib.ts_decode_attention.restype = _I
+    # (model description, rows, x, cos, sin, write slots, slot ids, offsets, out, threads)
+    lib.ts_decode_step.argtypes = [_P, _I, _P, _P, _P, _P, _P, _P, _P, _I]
+    lib.ts_decode_step.restype = _I
     return Kernels(lib, path)
 
 

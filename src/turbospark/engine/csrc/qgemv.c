@@ -476,6 +476,7 @@ typedef struct {
     int64_t num_slots;
     const int64_t *slot_ids;
     const int64_t *offsets;
+    int64_t q_stride; /* floats from one sequence's q row to the next */
     int heads, kv_heads, hd;
     float scale;
     const int *part_seq, *part_head; /* per chunk */
@@ -494,7 +495,7 @@ static void attention_chunk(void *arg, int chunk) {
     float p[PART_SLOTS];
     const int n = (int)(b - a);
     for (int g = 0; g < group; g++) {
-        const float *qh = j->q + ((size_t)s * j->heads + kh * group + g) * hd;
+        const float *qh = j->q + (size_t)s * j->q_stride + (size_t)(kh * group + g) * hd;
         float *res = j->partial + ((size_t)chunk * group + g) * (hd + 2);
         int t = 0;
         if (hd % 8 == 0)
@@ -543,12 +544,12 @@ static void attention_chunk(void *arg, int chunk) {
     }
 }
 
-/* q (seqs, heads, hd); k_cache / v_cache (kv_heads, slots, hd); sequence s reads the slots
- * slot_ids[offsets[s] .. offsets[s + 1]). out (seqs, heads, hd). Returns -1 when out of memory
- * or past the sizes it handles. */
-int ts_decode_attention(const float *q, const float *k_cache, const float *v_cache, int64_t num_slots,
-                        const int64_t *slot_ids, const int64_t *offsets, int seqs, int heads, int kv_heads, int hd,
-                        float scale, float *out, int threads) {
+/* q (seqs, heads, hd) with rows `q_stride` floats apart; k_cache / v_cache (kv_heads, slots, hd);
+ * sequence s reads the slots slot_ids[offsets[s] .. offsets[s + 1]). out (seqs, heads, hd).
+ * Returns -1 when out of memory or past the sizes it handles. */
+static int attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache, int64_t num_slots,
+                     const int64_t *slot_ids, const int64_t *offsets, int seqs, int heads, int kv_heads, int hd,
+                     float scale, float *out, int threads) {
     const int group = heads / kv_heads;
     if (group > MAX_GROUP || hd > MAX_HEAD_DIM || group * kv_heads != heads) return -1;
     int64_t chunks = 0;
@@ -575,7 +576,7 @@ int ts_decode_attention(const float *q, const float *k_cache, const float *v_cac
                 part_end[c] = a + PART_SLOTS < len ? a + PART_SLOTS : len;
             }
     }
-    attention_job job = {q, k_cache, v_cache, num_slots, slot_ids, offsets, heads, kv_heads, hd, scale,
+    attention_job job = {q, k_cache, v_cache, num_slots, slot_ids, offsets, q_stride, heads, kv_heads, hd, scale,
                          part_seq, part_head, part_start, part_end, partial};
     parallel_chunks(attention_chunk, &job, (int)chunks, threads);
     /* merge: parts of one (sequence, kv head) are consecutive chunks */
@@ -606,4 +607,138 @@ int ts_decode_attention(const float *q, const float *k_cache, const float *v_cac
     free(part_range);
     free(partial);
     return 0;
+}
+
+/* q (seqs, heads, hd) contiguous; the rest as `attention` */
+int ts_decode_attention(const float *q, const float *k_cache, const float *v_cache, int64_t num_slots,
+                        const int64_t *slot_ids, const int64_t *offsets, int seqs, int heads, int kv_heads, int hd,
+                        float scale, float *out, int threads) {
+    return attention(q, (int64_t)heads * hd, k_cache, v_cache, num_slots, slot_ids, offsets, seqs, heads, kv_heads,
+                     hd, scale, out, threads);
+}
+
+/* ---- a whole decode step of a Llama-style decoder in one call ----
+ *
+ * Between the ~10 kernels of a layer, Python and torch cost more than the kernels themselves
+ * did on a small model (7-9 ms of a ~18 ms SmolLM2 token: argument marshalling, output
+ * tensors, views, the cache write). Here the layers run back to back on buffers allocated once
+ * per step: per layer add + RMSNorm, the q/k/v matmul, rotary on q and k, the cache write,
+ * attention, o_proj, add + RMSNorm, gate/up, SiLU-mul, down; then the final add + RMSNorm.
+ * The matmuls and the attention are split over the pool; the rest is a few microseconds at a
+ * few rows and runs on the caller. The layout is what `native_decode.py` describes with
+ * ctypes structures of the same fields. */
+
+typedef struct {
+    const void *codes;         /* q4: (n, k / 2) uint8; q8: (n, k) int8 */
+    const uint16_t *d16, *m16; /* q4: fp16 scales / offsets (n, padded blocks) */
+    const float *scales;       /* q8: one per output row */
+    const float *bias;         /* (n,) or NULL */
+    int bits, n, k;
+} ts_linear;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    ts_linear qkv, o, gate_up, down;
+} ts_layer;
+
+typedef struct {
+    const ts_layer *layers;
+    const float *final_norm;
+    float *k_cache, *v_cache; /* (layers, kv_heads, num_slots, hd) float32 */
+    int64_t num_slots;
+    int n_layers, hidden, heads, kv_heads, hd, inter;
+    float eps, scale;
+} ts_model;
+
+static int linear_ok(const ts_linear *w, int k, int n) {
+    if (w->k != k || w->n != n || !w->codes) return 0;
+    if (w->bits == 4) return k % (2 * QK) == 0 && w->d16 && w->m16;
+    return w->bits == 8 && k % QK == 0 && w->scales;
+}
+
+/* y (rows, n) = x (rows, k) through w, x quantized into qx (room for rows x k) */
+static void linear(const ts_linear *w, const float *x, int rows, quantized *qx, float *y, int threads) {
+    quantize_rows(x, rows, w->k, qx->q, qx->scale, qx->sum);
+    matmul_job job = {qx, w->codes, w->d16, w->m16, w->scales, w->bias, y, rows, w->k, w->n};
+    parallel_chunks(w->bits == 4 ? q4_chunk : q8_chunk, &job, (w->n + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK, threads);
+}
+
+/* "rotate half" in place on `heads` heads of hd floats at x, by cos / sin (hd,) */
+static void rotate_in_place(float *x, int heads, int hd, const float *c, const float *s) {
+    const int half = hd / 2;
+    float tmp[MAX_HEAD_DIM];
+    for (int h = 0; h < heads; h++) {
+        float *xh = x + (size_t)h * hd;
+        for (int i = 0; i < hd; i++) tmp[i] = xh[i];
+        for (int i = 0; i < half; i++) xh[i] = tmp[i] * c[i] + tmp[i + half] * s[i];
+        for (int i = half; i < hd; i++) xh[i] = tmp[i] * c[i] + tmp[i - half] * s[i];
+    }
+}
+
+/* x (rows, hidden): the step's token embeddings, one row per decoding sequence; out (rows,
+ * hidden): the final norm of the last hidden state, for the lm_head. Row r's position rotates
+ * by cos_t / sin_t row r (rows, hd); its k / v go to slot write_slots[r]; it attends over
+ * slot_ids[offsets[r] .. offsets[r + 1]) (which include that slot). Returns 0; -1 when the
+ * sizes are out of range or memory runs out (nothing written to out). */
+int ts_decode_step(const ts_model *m, int rows, const float *x, const float *cos_t, const float *sin_t,
+                   const int64_t *write_slots, const int64_t *slot_ids, const int64_t *offsets, float *out,
+                   int threads) {
+    const int hidden = m->hidden, hd = m->hd, heads = m->heads, kvh = m->kv_heads, inter = m->inter;
+    const int qkv_n = (heads + 2 * kvh) * hd, att_n = heads * hd;
+    if (rows < 1 || rows > MAX_ROWS || hd > MAX_HEAD_DIM || hd % 2) return -1;
+    for (int l = 0; l < m->n_layers; l++) {
+        const ts_layer *L = m->layers + l;
+        if (!linear_ok(&L->qkv, hidden, qkv_n) || !linear_ok(&L->o, att_n, hidden) ||
+            !linear_ok(&L->gate_up, hidden, 2 * inter) || !linear_ok(&L->down, inter, hidden))
+            return -1;
+    }
+    int kmax = hidden > inter ? hidden : inter;
+    kmax = kmax > att_n ? kmax : att_n;
+    const size_t floats = (size_t)rows * (3 * hidden + qkv_n + att_n + 3 * inter);
+    float *buf = (float *)malloc(sizeof(float) * floats);
+    quantized qx = {(int8_t *)aligned_alloc(64, ((size_t)rows * kmax + 63) / 64 * 64),
+                    (float *)malloc(sizeof(float) * rows * padded_blocks(kmax)),
+                    (float *)malloc(sizeof(float) * rows * padded_blocks(kmax))};
+    int rc = -1;
+    if (!buf || !qx.q || !qx.scale || !qx.sum) goto done;
+    float *resid = buf, *h = resid + (size_t)rows * hidden, *y = h + (size_t)rows * hidden;
+    float *qkv = y + (size_t)rows * hidden, *att = qkv + (size_t)rows * qkv_n, *gu = att + (size_t)rows * att_n;
+    float *act = gu + (size_t)rows * 2 * inter;
+    for (size_t i = 0; i < (size_t)rows * hidden; i++) resid[i] = x[i];
+    ts_rms_norm(resid, NULL, NULL, m->layers[0].input_norm, m->eps, rows, hidden, h);
+    for (int l = 0; l < m->n_layers; l++) {
+        const ts_layer *L = m->layers + l;
+        if (l > 0) ts_rms_norm(y, resid, resid, L->input_norm, m->eps, rows, hidden, h);
+        linear(&L->qkv, h, rows, &qx, qkv, threads);
+        float *kc = m->k_cache + (size_t)l * kvh * m->num_slots * hd;
+        float *vc = m->v_cache + (size_t)l * kvh * m->num_slots * hd;
+        for (int r = 0; r < rows; r++) {
+            float *qr = qkv + (size_t)r * qkv_n;
+            rotate_in_place(qr, heads + kvh, hd, cos_t + (size_t)r * hd, sin_t + (size_t)r * hd);
+            for (int kh = 0; kh < kvh; kh++) {
+                const size_t at = ((size_t)kh * m->num_slots + (size_t)write_slots[r]) * hd;
+                const float *kr = qr + (size_t)(heads + kh) * hd, *vr = qr + (size_t)(heads + kvh + kh) * hd;
+                for (int i = 0; i < hd; i++) {
+                    kc[at + i] = kr[i];
+                    vc[at + i] = vr[i];
+                }
+            }
+        }
+        if (attention(qkv, qkv_n, kc, vc, m->num_slots, slot_ids, offsets, rows, heads, kvh, hd, m->scale, att,
+                      threads))
+            goto done;
+        linear(&L->o, att, rows, &qx, y, threads);
+        ts_rms_norm(y, resid, resid, L->post_norm, m->eps, rows, hidden, h);
+        linear(&L->gate_up, h, rows, &qx, gu, threads);
+        ts_silu_mul(gu, rows, inter, act);
+        linear(&L->down, act, rows, &qx, y, threads);
+    }
+    ts_rms_norm(y, resid, resid, m->final_norm, m->eps, rows, hidden, out);
+    rc = 0;
+done:
+    free(buf);
+    free(qx.q);
+    free(qx.scale);
+    free(qx.sum);
+    return rc;
 }

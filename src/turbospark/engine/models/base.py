@@ -37,6 +37,7 @@ from turbospark.engine.layers import (
     fuse_linears,
     silu_and_mul,
 )
+from turbospark.engine.native_decode import NativeDecoder
 
 
 @dataclass(slots=True)
@@ -283,6 +284,8 @@ class CausalLM(nn.Module):
         self.model = Model(config, [layer_cls(config) for _ in range(config.num_hidden_layers)])
         self.lm_head: nn.Module = Linear(config.hidden_size, config.vocab_size)
         self.rotary = RotaryEmbedding(config, max_positions)
+        # the whole decode step as one native call, where the layers fit it (built on first use)
+        self._native: NativeDecoder | bool | None = False
 
     def checkpoint_names(self) -> list[str]:
         """Weight names this model loads from a checkpoint."""
@@ -300,6 +303,13 @@ class CausalLM(nn.Module):
             layer.self_attn.finalize(prepare)
             layer.mlp.finalize(prepare)
 
+    def native_decoder(self) -> NativeDecoder | None:
+        """The one-call native decode step when every layer fits it (decided once, after
+        `finalize`; see `native_decode`)."""
+        if self._native is False:
+            self._native = NativeDecoder.build(self)
+        return self._native if isinstance(self._native, NativeDecoder) else None
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -311,6 +321,9 @@ class CausalLM(nn.Module):
         sequence's last token."""
         x = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
         rope = self.rotary(positions)
+        decoder = self.native_decoder()
+        if decoder is not None and decoder.takes(input_ids, meta, kv_cache):
+            return self.lm_head(decoder.run(x, rope, meta, kv_cache)).float()  # type: ignore[no-any-return]
         residual = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, rope, kv_cache.layer(i), meta)

@@ -1,0 +1,81 @@
+"""The one-call native decode step (`engine/native_decode.py`) against the layer-by-layer path.
+
+Both run the same kernels (quantized matmuls, norms, rotary, attention) in the same order, so
+their logits agree to float32 rounding; bounded at 1e-4 absolute on O(1) logits, like the model
+tests. The sequences sit in scattered blocks, decode together at different lengths, and one
+step mixes a prompt with decodes (which takes the layer-by-layer path for that step).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import FAMILIES, checkpoint
+
+from turbospark.engine import native
+from turbospark.engine.cpu_kernels import cpu_kernels
+from turbospark.engine.models import build_model
+from turbospark.engine.native_decode import NativeDecoder
+from turbospark.engine.runner import ModelRunner, SequenceState
+
+pytestmark = pytest.mark.skipif(
+    native.kernels() is None or not cpu_kernels().native_rows,
+    reason="the CPU profile does not run the native kernels here",
+)
+ATOL = 1e-4
+
+
+def random_ids(n: int, seed: int, vocab: int = 320) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def decode_logits(model: torch.nn.Module) -> torch.Tensor:
+    """Logits of three sequences in gappy block tables: prompts, a mixed step, decode steps."""
+    runner = ModelRunner(model, max_context=96, max_num_seqs=3, block_size=4, enable_prefix_caching=False)
+    taken = runner.block_manager.allocate(6)
+    runner.block_manager.release(taken[::2])  # the first sequence gets blocks 0, 2, 4
+    seqs = [SequenceState() for _ in range(3)]
+    prompts = [random_ids(n, seed=n) for n in (11, 5, 17)]
+    out = [runner.forward([(seqs[0], prompts[0])]), runner.forward([(seqs[1], prompts[1])])]
+    # a prompt and two decodes in one step
+    out.append(runner.forward([(seqs[0], [3]), (seqs[1], [4]), (seqs[2], prompts[2])]))
+    tokens = [[5], [6], [7]]
+    for _ in range(6):
+        logits = runner.forward(list(zip(seqs, tokens, strict=True)))
+        out.append(logits)
+        tokens = [[int(t)] for t in logits.argmax(-1)]
+    out.append(runner.forward([(seqs[1], [8])]))  # one sequence alone
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize(("family", "quant"), [("llama", "int4"), ("llama3", "int8"), ("qwen2", "int8")])
+def test_one_call_step_equals_the_layer_by_layer_path(
+    family: str, quant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg, tensors, _ = checkpoint(FAMILIES[family])
+    model = build_model(cfg, tensors, "cpu", torch.float32, quant=quant)
+    assert model.native_decoder() is not None
+    calls: list[int] = []
+    run = NativeDecoder.run
+
+    def counted(self: NativeDecoder, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return run(self, x, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(NativeDecoder, "run", counted)
+    fused = decode_logits(model)
+    assert calls == [3] * 6 + [1]  # every all-decode step, none with a prompt in it
+    model._native = None  # the layer-by-layer path
+    layered = decode_logits(model)
+    assert len(calls) == 7
+    torch.testing.assert_close(fused, layered, atol=ATOL, rtol=0)
+
+
+def test_families_with_their_own_layer_code_keep_the_layer_path() -> None:
+    cfg, tensors, _ = checkpoint(FAMILIES["qwen3"])  # q/k norms: not in the C step
+    assert build_model(cfg, tensors, "cpu", torch.float32, quant="int8").native_decoder() is None
+
+
+def test_float_weights_keep_the_layer_path() -> None:
+    cfg, tensors, _ = checkpoint(FAMILIES["llama"])
+    assert build_model(cfg, tensors, "cpu", torch.float32).native_decoder() is None

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from turbospark.engine.backend import resolve_kv_dtype
 from turbospark.engine.cpu_kernels import cpu_flags, cpu_kernels
 from turbospark.engine.loader import load_checkpoint
 from turbospark.engine.models import build_model
@@ -120,7 +121,8 @@ def turbospark_engine(config: dict, tensors: dict, max_len: int, bw: float) -> E
     quant = auto_quant(tensors)  # what `turbospark serve` picks for these weights
     dtype = cpu_kernels().activation_dtype  # as the server: float32 where bf16 is emulated
     model = build_model(config, tensors, "cpu", dtype, quant=quant, max_positions=max_len)
-    runner = ModelRunner(model, max_context=max_len)
+    # the server's KV cache: float16 where the native decode attention reads it
+    runner = ModelRunner(model, max_context=max_len, kv_dtype=resolve_kv_dtype("cpu", dtype, None))
     chunk = SchedulerConfig().max_prefill_tokens  # the engine's chunk for a prompt alone
 
     def prefill(ids: list[int]) -> float:

@@ -68,6 +68,7 @@ def load_model(spec: str, args: argparse.Namespace, rate: RateControl | None = N
         max_context=args.max_context,
         quant=args.quant,
         kv_cache_gb=getattr(args, "kv_cache_gb", None),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
         scheduler=scheduler_config(args),
         rate=rate,
         tensor_parallel=getattr(args, "tensor_parallel", 1),
@@ -296,6 +297,13 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="KV-cache budget per model in GiB (default: a fifth of free memory, at most 8)",
+    )
+    s.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        default="auto",
+        help="KV-cache element type (auto: float16 on CPUs that run turbospark's AVX2 kernels, "
+        "else the model's dtype)",
     )
     s.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     s.add_argument(

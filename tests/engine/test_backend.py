@@ -150,3 +150,22 @@ def test_numerics_defaults() -> None:
         resolve_numerics("cuda", None, "int4")
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_numerics("cpu", "float8", None)
+
+
+def test_kv_cache_dtype_defaults() -> None:
+    import torch
+
+    from turbospark.engine import native
+    from turbospark.engine.backend import resolve_kv_dtype
+
+    # float16 where the native decode attention reads it over float32 activations
+    native_here = native.takes(torch.empty(1, 1)) is not None
+    assert resolve_kv_dtype("cpu", torch.float32, None) == (torch.float16 if native_here else torch.float32)
+    assert resolve_kv_dtype("cpu", torch.bfloat16, "auto") == torch.bfloat16
+    assert resolve_kv_dtype("cpu", torch.float32, "float32") == torch.float32
+    assert resolve_kv_dtype("cpu", torch.bfloat16, "float16") == torch.float16
+    assert resolve_kv_dtype("cuda", torch.bfloat16, "auto") == torch.bfloat16
+    with pytest.raises(ValueError, match="model's dtype"):
+        resolve_kv_dtype("cuda", torch.bfloat16, "float32")
+    with pytest.raises(ValueError, match="unknown KV cache dtype"):
+        resolve_kv_dtype("cpu", torch.float32, "int8")

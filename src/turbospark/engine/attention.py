@@ -147,16 +147,18 @@ def write_kv(
         k_cache[:, start:stop] = k.transpose(0, 1)
         v_cache[:, start:stop] = v.transpose(0, 1)
     else:
-        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, slots: slice | list[int] | torch.Tensor) -> torch.Tensor:
+def _gather(cache: torch.Tensor, slots: slice | list[int] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The cache's slots (num_kv_heads, len, head_dim) in `dtype` (a view where it can be: a
+    slice of a cache already in that dtype)."""
     if isinstance(slots, slice):
-        return cache[:, slots]
+        return cache[:, slots].to(dtype)
     if isinstance(slots, list):
         slots = torch.tensor(slots, dtype=torch.long, device=cache.device)
-    return cache.index_select(1, slots)
+    return cache.index_select(1, slots).to(dtype)
 
 
 # Flash attention on CPU that also returns each row's log-sum-exp, so attention over two key
@@ -183,15 +185,16 @@ def _span_attention(
     """
     assert _FLASH_CPU is not None
     qs = q.transpose(0, 1)[None]  # (1, num_heads, query_len, head_dim)
-    kn = k.to(k_cache.dtype).transpose(0, 1)[None]  # (1, num_kv_heads, query_len, head_dim)
-    vn = v.to(v_cache.dtype).transpose(0, 1)[None]
+    # the keys and values as the cache holds them (rounded to its dtype), in q's dtype
+    kn = k.to(k_cache.dtype).to(q.dtype).transpose(0, 1)[None]  # (1, num_kv_heads, query_len, head_dim)
+    vn = v.to(v_cache.dtype).to(q.dtype).transpose(0, 1)[None]
     o_new, lse_new = _FLASH_CPU(qs, kn, vn, is_causal=True, scale=scale)
     is_empty = prefix.stop == prefix.start if isinstance(prefix, slice) else prefix.numel() == 0
     if is_empty:
         return o_new[0].transpose(0, 1)  # type: ignore[no-any-return]  # (query_len, num_heads, head_dim)
     kp, vp = (
-        _gather(k_cache, prefix)[None],
-        _gather(v_cache, prefix)[None],
+        _gather(k_cache, prefix, q.dtype)[None],
+        _gather(v_cache, prefix, q.dtype)[None],
     )  # (1, num_kv_heads, cached, head_dim)
     o_pre, lse_pre = _FLASH_CPU(qs, kp, vp, scale=scale)
     # softmax over both key sets = the two outputs weighted by their shares of the total mass
@@ -207,8 +210,9 @@ def _chunk_mask(cached: int, kv_len: int, device: torch.device) -> torch.Tensor:
 
 
 def _native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> native.Kernels | None:
-    """The native decode-attention kernel where it takes this step: float32 on the CPU."""
-    if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or q.device.type != "cpu":
+    """The native decode-attention kernel where it takes this step: float32 queries on the CPU
+    over a float32 or float16 cache."""
+    if q.dtype != torch.float32 or k_cache.dtype not in native.KV_DTYPES or q.device.type != "cpu":
         return None
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None
@@ -252,7 +256,10 @@ class CpuAttention:
                 out[rows] = _span_attention(q[rows], k[rows], v[rows], k_cache, v_cache, prefix, scale)
                 continue
             # fallback (no CPU flash kernel): one SDPA over the whole context with an explicit mask
-            ks, vs = _gather(k_cache, prefix), _gather(v_cache, prefix)  # (num_kv_heads, kv_len, head_dim)
+            ks, vs = (
+                _gather(k_cache, prefix, q.dtype),
+                _gather(v_cache, prefix, q.dtype),
+            )  # (kv_heads, kv_len, hd)
             o = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1), ks, vs, attn_mask=mask, scale=scale, enable_gqa=group > 1
             )  # (num_heads, query_len, head_dim)
@@ -272,14 +279,15 @@ class CpuAttention:
         num_kv_heads = k_cache.shape[0]
         qd = qd.view(-1, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (decodes, kv heads, group, hd)
         if len(plan.decode_slots) == 1:  # one sequence: a view of the cache where its blocks are consecutive
-            ks, vs = _gather(k_cache, plan.decode_slots[0]), _gather(v_cache, plan.decode_slots[0])
+            slots = plan.decode_slots[0]
+            ks, vs = _gather(k_cache, slots, qd.dtype), _gather(v_cache, slots, qd.dtype)
             o = F.scaled_dot_product_attention(qd, ks[None], vs[None], scale=scale)
         else:
             gather, mask = plan.padded_decode_gather()
             num_decodes, max_len = plan.decode_shape
             shape = (num_kv_heads, num_decodes, max_len, head_dim)
-            ks = k_cache.index_select(1, gather).view(shape)
-            vs = v_cache.index_select(1, gather).view(shape)
+            ks = k_cache.index_select(1, gather).view(shape).to(qd.dtype)
+            vs = v_cache.index_select(1, gather).view(shape).to(qd.dtype)
             o = F.scaled_dot_product_attention(
                 qd, ks.transpose(0, 1), vs.transpose(0, 1), attn_mask=mask, scale=scale
             )  # (num_decodes, num_kv_heads, group, head_dim)
@@ -389,8 +397,8 @@ def reference_attention(
     start = 0
     for i, (qlen, kv_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
         slots = meta.context_slots(i)
-        ks = _gather(k_cache, slots).repeat_interleave(group, dim=0)  # (num_heads, kv_len, head_dim)
-        vs = _gather(v_cache, slots).repeat_interleave(group, dim=0)
+        ks = _gather(k_cache, slots, q.dtype).repeat_interleave(group, dim=0)  # (num_heads, kv_len, head_dim)
+        vs = _gather(v_cache, slots, q.dtype).repeat_interleave(group, dim=0)
         mask = _chunk_mask(kv_len - qlen, kv_len, q.device)
         qs = q[start : start + qlen].transpose(0, 1)  # (num_heads, query_len, head_dim)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)

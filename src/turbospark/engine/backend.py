@@ -69,9 +69,11 @@ class RealChatModel(BackendDefaults):
         scheduler: SchedulerConfig | None = None,
         rate: RateControl | None = None,
         tensor_parallel: TensorParallelGroup | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         """`num_kv_blocks` sizes the KV cache (default: one full context per running sequence,
-        at most 4); the context never exceeds what the cache holds. With `tensor_parallel`,
+        at most 4; its elements `kv_dtype`, default the model's); the context never exceeds what
+        the cache holds. With `tensor_parallel`,
         `model` is rank 0's shard and every engine step runs on all ranks of the group (the
         runner's one-sequence reference path, `forward` / `generate`, is single-process only)."""
         self.model_id = model_id
@@ -87,6 +89,7 @@ class RealChatModel(BackendDefaults):
             num_blocks=num_kv_blocks,
             block_size=BLOCK_SIZE,
             device=device,
+            kv_dtype=kv_dtype,
         )
         self.tensor_parallel = tensor_parallel
         step_runner: StepRunner = self._runner
@@ -215,6 +218,30 @@ def resolve_numerics(device: str, dtype: str | None, quant: str | None) -> tuple
     return torch_dtype, quant
 
 
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_kv_dtype(device: str, activation_dtype: torch.dtype, kv_dtype: str | None) -> torch.dtype:
+    """The KV cache's dtype: `kv_dtype` when given, else ("auto") float16 on a CPU whose decode
+    attention is the native kernel over float32 activations (half the bytes each decode step
+    reads at long contexts, llama.cpp's default too), else the activations' dtype."""
+    if kv_dtype not in (None, "auto"):
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(
+                f"unknown KV cache dtype {kv_dtype!r} (choose from auto, {', '.join(KV_DTYPES)})"
+            )
+        chosen = KV_DTYPES[kv_dtype]
+        if torch.device(device).type != "cpu" and chosen != activation_dtype:
+            raise ValueError(f"on {device} the KV cache is in the model's dtype ({activation_dtype})")
+        return chosen
+    if torch.device(device).type == "cpu" and activation_dtype == torch.float32:
+        from turbospark.engine import native
+
+        if native.takes(torch.empty(1, 1)) is not None:
+            return torch.float16
+    return activation_dtype
+
+
 def load_backend(
     spec: str,
     *,
@@ -224,6 +251,7 @@ def load_backend(
     quant: str | None = "auto",
     progress: bool = True,
     kv_cache_gb: float | None = None,
+    kv_cache_dtype: str | None = None,
     scheduler: SchedulerConfig | None = None,
     rate: RateControl | None = None,
     tensor_parallel: int = 1,
@@ -231,7 +259,8 @@ def load_backend(
     """Loads a checkpoint (path, hub-cache id or bundled name) and returns its backend.
 
     The context is the model's own, bounded by the KV cache (`kv_cache_gb`, default
-    `default_kv_cache_bytes`) and by `max_context` when given. `tensor_parallel` > 1 splits the
+    `default_kv_cache_bytes`; `kv_cache_dtype` as `resolve_kv_dtype`) and by `max_context`
+    when given. `tensor_parallel` > 1 splits the
     model over that many processes (`turbospark.engine.parallel`): this one is rank 0, the
     others are started here and stop when it does. On CPU the cores and the KV budget are shared
     by the ranks; on CUDA each rank has its own GPU, from `device`'s index on, and the budget is
@@ -242,6 +271,7 @@ def load_backend(
     from turbospark.tokenizer import Tokenizer
 
     torch_dtype, quant = resolve_numerics(device, dtype, quant)
+    kv_dtype = resolve_kv_dtype(device, torch_dtype, kv_cache_dtype)
     if tensor_parallel != 1:
         from turbospark.engine.parallel import check_devices
 
@@ -266,7 +296,7 @@ def load_backend(
 
         check_tensor_parallel(ckpt.config, tensor_parallel)
     model_max = int(ckpt.config.get("max_position_embeddings", DEFAULT_MAX_CONTEXT))
-    per_token = _kv_bytes_per_token(ckpt.config, torch_dtype)
+    per_token = _kv_bytes_per_token(ckpt.config, kv_dtype)
     if torch.device(device).type == "cuda":
         per_token //= tensor_parallel  # each GPU holds its ranks' kv heads in its own memory
     budget = int(kv_cache_gb * 2**30) if kv_cache_gb else default_kv_cache_bytes(device)
@@ -290,6 +320,7 @@ def load_backend(
             num_blocks=num_kv_blocks,
             block_size=BLOCK_SIZE,
             threads=max(1, threads // tensor_parallel),
+            kv_dtype=kv_dtype,
         )
         group = TensorParallelGroup.launch(tensor_parallel, job)  # they load while this rank does
     tensors = dict(ckpt.tensors)
@@ -324,6 +355,7 @@ def load_backend(
             scheduler=scheduler,
             rate=rate,
             tensor_parallel=group,
+            kv_dtype=kv_dtype,
         )
     except BaseException:
         if group is not None:

@@ -45,6 +45,7 @@ BLOCK = 32  # inputs per quantization block (activations and q4 weights)
 SCALE_GROUP = 8  # q4 scale rows are padded to a multiple of this many blocks
 MAX_ROWS = 8  # rows per call (the C side's MAX_ROWS)
 COMPILE_TIMEOUT_S = 120
+KV_DTYPES = (torch.float32, torch.float16)  # KV caches the decode attention reads
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -137,15 +138,18 @@ class Kernels:
         scale: float,
     ) -> torch.Tensor:
         """One query token per sequence: q (seqs, heads, head_dim) over the caches (kv_heads,
-        slots, head_dim), sequence s reading slot_ids[offsets[s]:offsets[s + 1]] (int64)."""
+        slots, head_dim) float32 or float16, sequence s reading slot_ids[offsets[s]:offsets[s + 1]]
+        (int64)."""
         seqs, heads, hd = q.shape
         kv_heads, num_slots, _ = k_cache.shape
+        assert k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_DTYPES
         q = q.contiguous()
         out = torch.empty_like(q)
         rc = self.lib.ts_decode_attention(
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
+            int(k_cache.dtype == torch.float16),
             num_slots,
             slot_ids.data_ptr(),
             offsets.data_ptr(),
@@ -276,7 +280,7 @@ def _load(path: Path) -> Kernels:
     lib.ts_silu_mul.restype = None
     lib.ts_rotary.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P]
     lib.ts_rotary.restype = None
-    lib.ts_decode_attention.argtypes = [_P, _P, _P, ctypes.c_int64, _P, _P, _I, _I, _I, _I, F, _P, _I]
+    lib.ts_decode_attention.argtypes = [_P, _P, _P, _I, ctypes.c_int64, _P, _P, _I, _I, _I, _I, F, _P, _I]
     lib.ts_decode_attention.restype = _I
     # (model description, rows, x, cos, sin, write slots, slot ids, offsets, out, threads)
     lib.ts_decode_step.argtypes = [_P, _I, _P, _P, _P, _P, _P, _P, _P, _I]

@@ -11,7 +11,7 @@ It runs where every piece fits the kernels: the CPU profile runs the native kern
 projection is an int4 (native layout) or int8 linear, the norms are float32, the family's layer
 code is the shared one (no q/k norms: Qwen3 keeps the layer-by-layer path), the step is all
 decodes (one new token per sequence, at most `native.MAX_ROWS`), and the KV cache is the CPU
-backend's float32 layout. Anything else takes the layer-by-layer path, which computes the same
+backend's layout in float32 or float16. Anything else takes the layer-by-layer path, which computes the same
 thing with the same kernels.
 """
 
@@ -74,6 +74,7 @@ class _Model(ctypes.Structure):
         ("kv_heads", _I),
         ("hd", _I),
         ("inter", _I),
+        ("kv_f16", _I),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
     ]
@@ -181,21 +182,27 @@ class NativeDecoder:
             kv_heads,
             hd,
             inter,
+            0,
             float(config.rms_norm_eps),
             float(attn0.scale),
         )
         return cls(kernels, model, descs, max_rows)
 
     def takes(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> bool:
-        """Whether this step is one this decoder runs: all decodes, few rows, a float32 CPU cache."""
+        """Whether this step is one this decoder runs: all decodes, few rows, the CPU backend's
+        cache in float32 or float16."""
         rows = input_ids.shape[0]
+        k, v = kv_cache.k, kv_cache.v
         return (
             rows <= self.max_rows
             and rows == meta.num_seqs
             and input_ids.is_cpu
             and type(kv_cache.attention) is CpuAttention
-            and _float32(kv_cache.k)
-            and _float32(kv_cache.v)
+            and k.dtype == v.dtype
+            and k.dtype in native.KV_DTYPES
+            and k.is_cpu
+            and k.is_contiguous()
+            and v.is_contiguous()
         )
 
     def run(
@@ -215,6 +222,7 @@ class NativeDecoder:
         model.k_cache = kv_cache.k.data_ptr()
         model.v_cache = kv_cache.v.data_ptr()
         model.num_slots = kv_cache.k.shape[2]
+        model.kv_f16 = int(kv_cache.k.dtype == torch.float16)
         out = torch.empty(rows, self.hidden, dtype=torch.float32)
         rc = self.kernels.lib.ts_decode_step(
             ctypes.byref(model),

@@ -188,6 +188,7 @@ class WorkerJob:
     num_blocks: int
     block_size: int
     threads: int
+    kv_dtype: torch.dtype | None = None  # None: the model's
 
 
 class TensorParallelGroup:
@@ -458,4 +459,5 @@ def _build_runner(rank: int, world_size: int, device: torch.device, job: WorkerJ
         num_blocks=job.num_blocks,
         block_size=job.block_size,
         device=device,
+        kv_dtype=job.kv_dtype,
     )

@@ -397,21 +397,6 @@ static inline float dot_f32(const float *a, const float *b, int n) {
     return s;
 }
 
-/* the dot products of q with eight rows k[0..7] (hd a multiple of 8): eight independent FMA
- * chains, then one transposing reduction instead of eight horizontal sums */
-static inline __m256 dot8(const float *q, const float *const *k, int hd) {
-    __m256 a[8];
-    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
-    for (int d = 0; d < hd; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + d);
-        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[i] + d), a[i]);
-    }
-    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    /* t0 = [k0..k3 low halves | k0..k3 high halves], t1 the same for k4..k7 */
-    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
-}
-
 /* y = rms_norm(x + residual) * w per row of d; with `residual`, x + residual is also written
  * to `summed` (the residual stream's next value) */
 void ts_rms_norm(const float *x, const float *residual, float *summed, const float *w, float eps, int rows, int d,
@@ -472,26 +457,60 @@ void ts_rotary(const float *x, int tokens, int heads, int hd, int x_stride, cons
 #define MAX_HEAD_DIM 256
 
 typedef struct {
-    const float *q, *k_cache, *v_cache;
+    const float *q;
+    const void *k_cache, *v_cache; /* float32, or float16 when kv_f16 */
     int64_t num_slots;
     const int64_t *slot_ids;
     const int64_t *offsets;
     int64_t q_stride; /* floats from one sequence's q row to the next */
-    int heads, kv_heads, hd;
+    int heads, kv_heads, hd, kv_f16;
     float scale;
     const int *part_seq, *part_head; /* per chunk */
     const int64_t *part_start, *part_end;
     float *partial; /* per chunk: group x (max, sum, hd values) */
 } attention_job;
 
-static void attention_chunk(void *arg, int chunk) {
-    const attention_job *j = (const attention_job *)arg;
+/* 8 cache values from p (float32, or float16 when F16) as floats */
+INLINE __m256 load8(const void *p, size_t i, const int F16) {
+    if (F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+INLINE float load1(const void *p, size_t i, const int F16) {
+    return F16 ? fp16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* q . k for one cache row k (element offset `at`) */
+INLINE float dot_kv(const float *q, const void *k, size_t at, int hd, const int F16) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k, at + i, F16), acc);
+    float sum = hsum(acc);
+    for (; i < hd; i++) sum += q[i] * load1(k, at + i, F16);
+    return sum;
+}
+
+/* the dot products of q with eight cache rows at element offsets at[0..7] (hd a multiple of 8):
+ * eight independent FMA chains, then one transposing reduction instead of eight horizontal sums */
+INLINE __m256 dot8(const float *q, const void *k, const size_t *at, int hd, const int F16) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    for (int d = 0; d < hd; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qv, load8(k, at[i] + d, F16), acc[i]);
+    }
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+    /* t0 = [k0..k3 low halves | k0..k3 high halves], t1 the same for k4..k7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+INLINE void attention_part(const attention_job *j, int chunk, const int F16) {
     const int s = j->part_seq[chunk], kh = j->part_head[chunk], hd = j->hd;
     const int group = j->heads / j->kv_heads;
     const int64_t a = j->part_start[chunk], b = j->part_end[chunk];
     const int64_t *ids = j->slot_ids + j->offsets[s];
-    const float *kbase = j->k_cache + (size_t)kh * j->num_slots * hd;
-    const float *vbase = j->v_cache + (size_t)kh * j->num_slots * hd;
+    const size_t base = (size_t)kh * j->num_slots * hd; /* this kv head's first element */
     float p[PART_SLOTS];
     const int n = (int)(b - a);
     for (int g = 0; g < group; g++) {
@@ -500,11 +519,11 @@ static void attention_chunk(void *arg, int chunk) {
         int t = 0;
         if (hd % 8 == 0)
             for (; t + 8 <= n; t += 8) {
-                const float *k8[8];
-                for (int i = 0; i < 8; i++) k8[i] = kbase + (size_t)ids[a + t + i] * hd;
-                _mm256_storeu_ps(p + t, _mm256_mul_ps(dot8(qh, k8, hd), _mm256_set1_ps(j->scale)));
+                size_t at[8];
+                for (int i = 0; i < 8; i++) at[i] = base + (size_t)ids[a + t + i] * hd;
+                _mm256_storeu_ps(p + t, _mm256_mul_ps(dot8(qh, j->k_cache, at, hd, F16), _mm256_set1_ps(j->scale)));
             }
-        for (; t < n; t++) p[t] = dot_f32(qh, kbase + (size_t)ids[a + t] * hd, hd) * j->scale;
+        for (; t < n; t++) p[t] = dot_kv(qh, j->k_cache, base + (size_t)ids[a + t] * hd, hd, F16) * j->scale;
         float mx = -INFINITY;
         for (t = 0; t < n; t++) mx = p[t] > mx ? p[t] : mx;
         __m256 tot8 = _mm256_setzero_ps();
@@ -528,28 +547,36 @@ static void attention_chunk(void *arg, int chunk) {
                 __m256 acc[8];
                 for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
                 for (int u = 0; u < n; u++) {
-                    const float *vt = vbase + (size_t)ids[a + u] * hd + d0;
+                    const size_t vt = base + (size_t)ids[a + u] * hd + d0;
                     const __m256 pu = _mm256_set1_ps(p[u]);
-                    for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(pu, _mm256_loadu_ps(vt + 8 * r), acc[r]);
+                    for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(pu, load8(j->v_cache, vt + 8 * r, F16), acc[r]);
                 }
                 for (int r = 0; r < 8; r++) _mm256_storeu_ps(o + d0 + 8 * r, acc[r]);
             }
         } else {
             for (int d = 0; d < hd; d++) o[d] = 0.0f;
             for (int u = 0; u < n; u++) {
-                const float *vt = vbase + (size_t)ids[a + u] * hd;
-                for (int d = 0; d < hd; d++) o[d] += p[u] * vt[d];
+                const size_t vt = base + (size_t)ids[a + u] * hd;
+                for (int d = 0; d < hd; d++) o[d] += p[u] * load1(j->v_cache, vt + d, F16);
             }
         }
     }
 }
 
+static void attention_chunk(void *arg, int chunk) {
+    const attention_job *j = (const attention_job *)arg;
+    if (j->kv_f16)
+        attention_part(j, chunk, 1);
+    else
+        attention_part(j, chunk, 0);
+}
+
 /* q (seqs, heads, hd) with rows `q_stride` floats apart; k_cache / v_cache (kv_heads, slots, hd);
  * sequence s reads the slots slot_ids[offsets[s] .. offsets[s + 1]). out (seqs, heads, hd).
  * Returns -1 when out of memory or past the sizes it handles. */
-static int attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache, int64_t num_slots,
-                     const int64_t *slot_ids, const int64_t *offsets, int seqs, int heads, int kv_heads, int hd,
-                     float scale, float *out, int threads) {
+static int attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, int kv_f16,
+                     int64_t num_slots, const int64_t *slot_ids, const int64_t *offsets, int seqs, int heads,
+                     int kv_heads, int hd, float scale, float *out, int threads) {
     const int group = heads / kv_heads;
     if (group > MAX_GROUP || hd > MAX_HEAD_DIM || group * kv_heads != heads) return -1;
     int64_t chunks = 0;
@@ -576,8 +603,8 @@ static int attention(const float *q, int64_t q_stride, const float *k_cache, con
                 part_end[c] = a + PART_SLOTS < len ? a + PART_SLOTS : len;
             }
     }
-    attention_job job = {q, k_cache, v_cache, num_slots, slot_ids, offsets, q_stride, heads, kv_heads, hd, scale,
-                         part_seq, part_head, part_start, part_end, partial};
+    attention_job job = {q,         k_cache,   v_cache,    num_slots, slot_ids, offsets, q_stride, heads, kv_heads,
+                         hd,        kv_f16,    scale,      part_seq,  part_head, part_start, part_end, partial};
     parallel_chunks(attention_chunk, &job, (int)chunks, threads);
     /* merge: parts of one (sequence, kv head) are consecutive chunks */
     c = 0;
@@ -609,12 +636,12 @@ static int attention(const float *q, int64_t q_stride, const float *k_cache, con
     return 0;
 }
 
-/* q (seqs, heads, hd) contiguous; the rest as `attention` */
-int ts_decode_attention(const float *q, const float *k_cache, const float *v_cache, int64_t num_slots,
+/* q (seqs, heads, hd) contiguous; caches float32, or float16 when kv_f16; the rest as `attention` */
+int ts_decode_attention(const float *q, const void *k_cache, const void *v_cache, int kv_f16, int64_t num_slots,
                         const int64_t *slot_ids, const int64_t *offsets, int seqs, int heads, int kv_heads, int hd,
                         float scale, float *out, int threads) {
-    return attention(q, (int64_t)heads * hd, k_cache, v_cache, num_slots, slot_ids, offsets, seqs, heads, kv_heads,
-                     hd, scale, out, threads);
+    return attention(q, (int64_t)heads * hd, k_cache, v_cache, kv_f16, num_slots, slot_ids, offsets, seqs, heads,
+                     kv_heads, hd, scale, out, threads);
 }
 
 /* ---- a whole decode step of a Llama-style decoder in one call ----
@@ -644,9 +671,9 @@ typedef struct {
 typedef struct {
     const ts_layer *layers;
     const float *final_norm;
-    float *k_cache, *v_cache; /* (layers, kv_heads, num_slots, hd) float32 */
+    void *k_cache, *v_cache; /* (layers, kv_heads, num_slots, hd) float32, or float16 when kv_f16 */
     int64_t num_slots;
-    int n_layers, hidden, heads, kv_heads, hd, inter;
+    int n_layers, hidden, heads, kv_heads, hd, inter, kv_f16;
     float eps, scale;
 } ts_model;
 
@@ -661,6 +688,20 @@ static void linear(const ts_linear *w, const float *x, int rows, quantized *qx, 
     quantize_rows(x, rows, w->k, qx->q, qx->scale, qx->sum);
     matmul_job job = {qx, w->codes, w->d16, w->m16, w->scales, w->bias, y, rows, w->k, w->n};
     parallel_chunks(w->bits == 4 ? q4_chunk : q8_chunk, &job, (w->n + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK, threads);
+}
+
+/* hd floats to a cache row at element `at`: float32, or float16 rounded to nearest even (as
+ * torch converts) */
+static void store_kv(void *cache, size_t at, const float *x, int hd, int f16) {
+    if (!f16) {
+        for (int i = 0; i < hd; i++) ((float *)cache)[at + i] = x[i];
+        return;
+    }
+    uint16_t *c = (uint16_t *)cache + at;
+    int i = 0;
+    for (; i + 8 <= hd; i += 8)
+        _mm_storeu_si128((__m128i *)(c + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < hd; i++) c[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
 }
 
 /* "rotate half" in place on `heads` heads of hd floats at x, by cos / sin (hd,) */
@@ -710,22 +751,19 @@ int ts_decode_step(const ts_model *m, int rows, const float *x, const float *cos
         const ts_layer *L = m->layers + l;
         if (l > 0) ts_rms_norm(y, resid, resid, L->input_norm, m->eps, rows, hidden, h);
         linear(&L->qkv, h, rows, &qx, qkv, threads);
-        float *kc = m->k_cache + (size_t)l * kvh * m->num_slots * hd;
-        float *vc = m->v_cache + (size_t)l * kvh * m->num_slots * hd;
+        const size_t layer_at = (size_t)l * kvh * m->num_slots * hd, esize = m->kv_f16 ? 2 : 4;
+        void *kc = (char *)m->k_cache + layer_at * esize, *vc = (char *)m->v_cache + layer_at * esize;
         for (int r = 0; r < rows; r++) {
             float *qr = qkv + (size_t)r * qkv_n;
             rotate_in_place(qr, heads + kvh, hd, cos_t + (size_t)r * hd, sin_t + (size_t)r * hd);
             for (int kh = 0; kh < kvh; kh++) {
                 const size_t at = ((size_t)kh * m->num_slots + (size_t)write_slots[r]) * hd;
-                const float *kr = qr + (size_t)(heads + kh) * hd, *vr = qr + (size_t)(heads + kvh + kh) * hd;
-                for (int i = 0; i < hd; i++) {
-                    kc[at + i] = kr[i];
-                    vc[at + i] = vr[i];
-                }
+                store_kv(kc, at, qr + (size_t)(heads + kh) * hd, hd, m->kv_f16);
+                store_kv(vc, at, qr + (size_t)(heads + kvh + kh) * hd, hd, m->kv_f16);
             }
         }
-        if (attention(qkv, qkv_n, kc, vc, m->num_slots, slot_ids, offsets, rows, heads, kvh, hd, m->scale, att,
-                      threads))
+        if (attention(qkv, qkv_n, kc, vc, m->kv_f16, m->num_slots, slot_ids, offsets, rows, heads, kvh, hd, m->scale,
+                      att, threads))
             goto done;
         linear(&L->o, att, rows, &qx, y, threads);
         ts_rms_norm(y, resid, resid, L->post_norm, m->eps, rows, hidden, h);

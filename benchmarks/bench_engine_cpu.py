@@ -65,8 +65,9 @@ def memory_bandwidth_gbs() -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def bytes_per_token(model: torch.nn.Module, context: int) -> int:
-    """Bytes a decode step reads: every matmul weight (incl. lm_head) + scales + the KV cache."""
+def bytes_per_token(model: torch.nn.Module, context: int, kv_dtype: torch.dtype) -> int:
+    """Bytes a decode step reads: every matmul weight (incl. lm_head) + scales + the KV cache
+    of `context` tokens."""
     total = 0
     for name, mod in model.named_modules():
         if "embed_tokens" in name or name == "rotary":
@@ -82,7 +83,7 @@ def bytes_per_token(model: torch.nn.Module, context: int) -> int:
             total += t.numel() * t.element_size()
     cfg = model.config  # type: ignore[attr-defined]
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * context
-    return total + kv * model.dtype.itemsize  # type: ignore[attr-defined]
+    return total + kv * kv_dtype.itemsize
 
 
 def cpu_kind() -> str:
@@ -117,12 +118,13 @@ class Engine:
     decode_tok_s: list[float] = field(default_factory=list)
 
 
-def turbospark_engine(config: dict, tensors: dict, max_len: int, bw: float) -> Engine:
+def turbospark_engine(config: dict, tensors: dict, max_len: int, bw: float, decode_context: int) -> Engine:
     quant = auto_quant(tensors)  # what `turbospark serve` picks for these weights
     dtype = cpu_kernels().activation_dtype  # as the server: float32 where bf16 is emulated
     model = build_model(config, tensors, "cpu", dtype, quant=quant, max_positions=max_len)
     # the server's KV cache: float16 where the native decode attention reads it
-    runner = ModelRunner(model, max_context=max_len, kv_dtype=resolve_kv_dtype("cpu", dtype, None))
+    kv_dtype = resolve_kv_dtype("cpu", dtype, None)
+    runner = ModelRunner(model, max_context=max_len, kv_dtype=kv_dtype)
     chunk = SchedulerConfig().max_prefill_tokens  # the engine's chunk for a prompt alone
 
     def prefill(ids: list[int]) -> float:
@@ -145,8 +147,9 @@ def turbospark_engine(config: dict, tensors: dict, max_len: int, bw: float) -> E
         runner.release(seq)
         return elapsed
 
-    bound = bw * 1e9 / bytes_per_token(model, 512 + 64)  # type: ignore[arg-type]
-    return Engine(f"turbospark {quant}", prefill, decode, bound_tok_s=bound)
+    bound = bw * 1e9 / bytes_per_token(model, decode_context, kv_dtype)  # type: ignore[arg-type]
+    kv_name = str(kv_dtype).removeprefix("torch.").replace("float", "f")
+    return Engine(f"turbospark {quant} kv {kv_name}", prefill, decode, bound_tok_s=bound)
 
 
 def transformers_engine(config: dict, tensors: dict, lengths: set[int]) -> Engine:
@@ -214,7 +217,9 @@ def bench_model(spec: str, args: argparse.Namespace, bw: float) -> list[Engine]:
     tensors = dict(ckpt.tensors)
     tokenizer = ckpt.tokenizer
     ids = {n: prompt_ids(lambda t: tokenizer.encode(t).ids, n) for n in lengths}
-    engines = [turbospark_engine(ckpt.config, tensors, max_len, bw)]
+    # decode runs after the shortest prompt: its mean context over the new tokens
+    decode_context = lengths[0] + args.new_tokens // 2
+    engines = [turbospark_engine(ckpt.config, tensors, max_len, bw, decode_context)]
     if not args.no_transformers:
         hf_lengths = (
             {int(n) for n in args.transformers_lengths.split(",")}

@@ -87,17 +87,14 @@ class SamplingDefaults:
 
     def over(self, base: SamplingDefaults) -> SamplingDefaults:
         """These values where set, `base`'s elsewhere."""
-
-        def pick(mine: float | None, theirs: float | None) -> float | None:
-            return theirs if mine is None else mine
-
-        top_k = base.top_k if self.top_k is None else self.top_k
         return SamplingDefaults(
-            temperature=pick(self.temperature, base.temperature),
-            top_p=pick(self.top_p, base.top_p),
-            top_k=top_k,
-            min_p=pick(self.min_p, base.min_p),
-            repetition_penalty=pick(self.repetition_penalty, base.repetition_penalty),
+            temperature=base.temperature if self.temperature is None else self.temperature,
+            top_p=base.top_p if self.top_p is None else self.top_p,
+            top_k=base.top_k if self.top_k is None else self.top_k,
+            min_p=base.min_p if self.min_p is None else self.min_p,
+            repetition_penalty=(
+                base.repetition_penalty if self.repetition_penalty is None else self.repetition_penalty
+            ),
             source=" over ".join(s for s in (self.source, base.source) if s),
         )
 

@@ -1,14 +1,25 @@
-"""The plan step on its own: policy, reasoning, prefill, tool_choice and the context check."""
+"""The plan step on its own: policy, reasoning, prefill, tool_choice, sampling defaults and the
+context check."""
 
 from __future__ import annotations
 
 import pytest
 
-from turbospark.backend import ReasoningEffort
+from turbospark.api import anthropic as anthropic_api
+from turbospark.api import ollama as ollama_api
+from turbospark.api import openai as openai_api
+from turbospark.api import responses as responses_api
+from turbospark.backend import (
+    BUILTIN_SAMPLING,
+    NO_SAMPLING_DEFAULTS,
+    GenerationConfig,
+    ReasoningEffort,
+    SamplingDefaults,
+)
 from turbospark.errors import ApiError
 from turbospark.plan import THINKING_BUDGETS, Plan, make_plan
 from turbospark.registry import ModelRegistry, ServedModel
-from turbospark.request import ChatRequest, Message, Tool, ToolChoice, ToolChoiceMode
+from turbospark.request import ChatRequest, Message, SamplingParams, Tool, ToolChoice, ToolChoiceMode
 from turbospark.scripted import ScriptedChatModel
 
 WEATHER = Tool("get_weather", "Weather for a city")
@@ -94,3 +105,79 @@ def test_context_is_checked_once_and_max_tokens_capped() -> None:
 def test_served_model_names_include_the_claude_code_alias() -> None:
     reg = registry()
     assert reg.resolve("claude-turbospark-scripted") is reg.resolve("scripted:latest")
+
+
+# ---------------------------------------------------------------- sampling defaults
+
+QWEN_LIKE = SamplingDefaults(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05, source="model")
+
+
+def sampled(config: GenerationConfig) -> tuple[float, float, int, float, float]:
+    return (config.temperature, config.top_p, config.top_k, config.min_p, config.repetition_penalty)
+
+
+def test_unset_sampling_takes_the_builtin_defaults() -> None:
+    # the scripted model recommends nothing: llama.cpp's truncation, temperature 1.0
+    assert ScriptedChatModel().sampling_defaults().is_empty()
+    assert sampled(plan().config) == (1.0, 0.95, 40, 0.05, 1.0)
+
+
+def test_no_defaults_is_plain_temperature_sampling() -> None:
+    reg = registry(sampling=NO_SAMPLING_DEFAULTS)
+    assert sampled(plan(reg).config) == (1.0, 1.0, 0, 0.0, 1.0)
+
+
+def test_the_models_values_lie_over_the_builtin_ones() -> None:
+    layered = QWEN_LIKE.over(BUILTIN_SAMPLING)
+    assert (layered.temperature, layered.top_p, layered.top_k, layered.min_p) == (0.7, 0.8, 20, 0.05)
+    assert layered.repetition_penalty == 1.05 and layered.source == "model over built-in"
+    assert sampled(plan(registry(sampling=layered)).config) == (0.7, 0.8, 20, 0.05, 1.05)
+
+
+def test_a_partial_default_leaves_the_rest_off() -> None:
+    reg = registry(sampling=SamplingDefaults(top_k=20))
+    assert sampled(plan(reg).config) == (1.0, 1.0, 20, 0.0, 1.0)
+
+
+def test_request_values_are_used_as_sent_including_off_values() -> None:
+    reg = registry(sampling=QWEN_LIKE.over(BUILTIN_SAMPLING))
+    off = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0)
+    config = plan(reg, sampling=off).config
+    assert sampled(config) == (0.0, 1.0, 0, 0.0, 1.0) and config.is_greedy
+    some = SamplingParams(temperature=1.0, top_k=5)
+    assert sampled(plan(reg, sampling=some).config) == (1.0, 0.8, 5, 0.05, 1.05)
+
+
+def test_each_api_leaves_absent_and_null_fields_to_the_model() -> None:
+    """The real parsers: absent and null are unset; explicit values (off ones too) are kept."""
+    reg = registry(sampling=QWEN_LIKE.over(BUILTIN_SAMPLING))
+    model = QWEN_LIKE.over(BUILTIN_SAMPLING)
+    defaults = (model.temperature, model.top_p, model.top_k, model.min_p, model.repetition_penalty)
+    messages = [{"role": "user", "content": "hi"}]
+
+    def openai_config(**fields: object) -> GenerationConfig:
+        request, _ = openai_api.parse_chat_request({"model": "scripted", "messages": messages, **fields})
+        return make_plan(request, reg).config
+
+    assert sampled(openai_config()) == defaults
+    nulls = dict.fromkeys(("temperature", "top_p", "top_k", "min_p", "repetition_penalty"))
+    assert sampled(openai_config(**nulls)) == defaults
+    sent = openai_config(temperature=1, top_p=1, top_k=-1, min_p=0, repetition_penalty=1)
+    assert sampled(sent) == (1.0, 1.0, 0, 0.0, 1.0)
+
+    anthropic_body = {"model": "scripted", "max_tokens": 5, "messages": messages}
+    request = anthropic_api.parse_messages_request(anthropic_body)
+    assert sampled(make_plan(request, reg).config) == defaults
+    request = anthropic_api.parse_messages_request({**anthropic_body, "top_k": 0, "temperature": 0})
+    assert sampled(make_plan(request, reg).config) == (0.0, 0.8, 0, 0.05, 1.05)
+
+    request, _ = ollama_api.parse_chat_request({"model": "scripted", "messages": messages})
+    assert sampled(make_plan(request, reg).config) == defaults
+    options = {"top_k": -1, "repeat_penalty": 0, "min_p": 0, "top_p": 1, "temperature": 0.2}
+    request, _ = ollama_api.parse_chat_request(
+        {"model": "scripted", "messages": messages, "options": options}
+    )
+    assert sampled(make_plan(request, reg).config) == (0.2, 1.0, 0, 0.0, 1.0)
+
+    request = responses_api.parse_request({"model": "scripted", "input": "hi", "top_p": None})
+    assert sampled(make_plan(request, reg).config) == defaults

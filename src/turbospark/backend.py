@@ -71,6 +71,51 @@ class GenerationConfig:
         return self.temperature <= 0.0 or self.top_k == 1
 
 
+@dataclass(slots=True, frozen=True)
+class SamplingDefaults:
+    """Sampler settings a request gets for each one it leaves unset (None: this source says
+    nothing about it). A model's own (`ChatModel.sampling_defaults`: its generation_config.json
+    or GGUF `general.sampling.*`) are laid over `BUILTIN_SAMPLING` by the registry; the plan
+    fills a request's unset fields from the result."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # 0 = off
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    source: str = ""  # where these values were read, for logs and listings
+
+    def over(self, base: SamplingDefaults) -> SamplingDefaults:
+        """These values where set, `base`'s elsewhere."""
+        return SamplingDefaults(
+            temperature=base.temperature if self.temperature is None else self.temperature,
+            top_p=base.top_p if self.top_p is None else self.top_p,
+            top_k=base.top_k if self.top_k is None else self.top_k,
+            min_p=base.min_p if self.min_p is None else self.min_p,
+            repetition_penalty=(
+                base.repetition_penalty if self.repetition_penalty is None else self.repetition_penalty
+            ),
+            source=" over ".join(s for s in (self.source, base.source) if s),
+        )
+
+    def is_empty(self) -> bool:
+        return all(
+            v is None for v in (self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty)
+        )
+
+
+# When neither the request nor the model says: llama.cpp's server defaults for the truncation
+# samplers (top-k 40, top-p 0.95, min-p 0.05), which keep a small model out of the long tail,
+# and temperature 1.0, the default the OpenAI and Anthropic APIs document (see ARCHITECTURE.md).
+BUILTIN_SAMPLING = SamplingDefaults(
+    temperature=1.0, top_p=0.95, top_k=40, min_p=0.05, repetition_penalty=1.0, source="built-in"
+)
+# `--sampling-defaults none`: plain temperature sampling, nothing truncated.
+NO_SAMPLING_DEFAULTS = SamplingDefaults(
+    temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, source="none"
+)
+
+
 @dataclass(slots=True)
 class TokenEvent:
     """One decoded token, handed to `on_progress` as soon as it is sampled."""
@@ -158,6 +203,8 @@ class ChatModel(Protocol):
 
     def details(self) -> ModelDetails: ...
 
+    def sampling_defaults(self) -> SamplingDefaults: ...
+
     def supports_embeddings(self) -> bool: ...
 
     def encode(self, texts: Sequence[str]) -> list[list[float]]: ...
@@ -185,6 +232,10 @@ class BackendDefaults:
 
     def details(self) -> ModelDetails:
         return ModelDetails()
+
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The model's own recommended sampler settings; none unless its files carry some."""
+        return SamplingDefaults()
 
     def supports_embeddings(self) -> bool:
         return False

@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from turbospark import metrics
-from turbospark.backend import ChatModel, ReasoningEffort
+from turbospark.backend import NO_SAMPLING_DEFAULTS, ChatModel, ReasoningEffort, SamplingDefaults
 from turbospark.engine.scheduler import SchedulerConfig
 from turbospark.limits import Limits
 from turbospark.ratecontrol import RateControl, parse_thermal_steps, temperature_source
-from turbospark.registry import ModelRegistry, ServedModel
+from turbospark.registry import ModelRegistry, ServedModel, model_kinds
 from turbospark.scripted import DEMO_MAX_CONTEXT, DEMO_REPLY, ScriptedChatModel
 from turbospark.toolcalls.guardrails import GuardrailConfig
 
@@ -109,10 +109,31 @@ def load_into(registry: ModelRegistry, args: argparse.Namespace) -> None:
                 guardrails=GuardrailConfig(enabled=not args.no_guardrails),
                 default_system=system,
                 default_reasoning=ReasoningEffort(args.reasoning or ReasoningEffort.OFF),
+                # None: the model's own recommendation, else the built-in truncation
+                sampling=NO_SAMPLING_DEFAULTS if args.sampling_defaults == "none" else None,
             )
         )
         registry.num_loading -= 1
         log.info("serving %s (aliases: %s)", backend.model_id, ", ".join(served.names()[1:]))
+        if "completion" in model_kinds(backend):
+            log.info(
+                "%s: unset sampler settings default to %s",
+                backend.model_id,
+                describe(served.sampling_defaults),
+            )
+
+
+def describe(sampling: SamplingDefaults) -> str:
+    """'temperature 0.7, top_p 0.8, ... (generation_config.json over built-in)' for the log."""
+    values = (
+        ("temperature", sampling.temperature),
+        ("top_p", sampling.top_p),
+        ("top_k", sampling.top_k),
+        ("min_p", sampling.min_p),
+        ("repetition_penalty", sampling.repetition_penalty),
+    )
+    shown = ", ".join(f"{name} {value:g}" for name, value in values if value is not None)
+    return f"{shown} ({sampling.source})" if sampling.source else shown
 
 
 class ModelLoadError(RuntimeError):
@@ -261,6 +282,14 @@ def parser() -> argparse.ArgumentParser:
         help="on SIGTERM, seconds running replies get to finish before they are ended (default 30)",
     )
     s.add_argument("--no-guardrails", action="store_true", help="turn tool-call repair and validation off")
+    s.add_argument(
+        "--sampling-defaults",
+        choices=["model", "none"],
+        default="model",
+        help="sampler settings a request leaves unset: 'model' (default) takes the model's "
+        "generation_config.json / GGUF general.sampling values, else top_k 40, top_p 0.95, "
+        "min_p 0.05 (llama.cpp's); 'none' samples with temperature alone, nothing truncated",
+    )
     s.add_argument("--max-decode-rate", type=float, help="cap decoded tokens per second, process-wide")
     s.add_argument(
         "--thermal-steps",

@@ -12,6 +12,10 @@ Here, and nowhere else, a `ChatRequest` meets the served model's policy (`regist
 - the default system prompt is added (only when the request has no system or developer message);
 - the chat template is rendered (or a raw prompt taken), the prefill appended, the prompt
   encoded once and counted against the context (too long is a 400, never a truncation);
+- the sampler settings are resolved (`resolve_sampling`): a value the request sets is used as
+  set; one it leaves unset takes the served model's default (`ServedModel.sampling`: the model's
+  generation_config.json or GGUF `general.sampling.*`, else the built-in llama.cpp-like
+  truncation, or none under `--sampling-defaults none`);
 - the token-level `GenerationConfig` is built, with the logits processors of `grammar.py`.
 """
 
@@ -21,13 +25,19 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
-from turbospark.backend import ChatModel, GenerationConfig, ReasoningEffort
+from turbospark.backend import (
+    NO_SAMPLING_DEFAULTS,
+    ChatModel,
+    GenerationConfig,
+    ReasoningEffort,
+    SamplingDefaults,
+)
 from turbospark.chat_template import CHATML_TEMPLATE, ChatTemplateError, render_chat_template
 from turbospark.errors import invalid
 from turbospark.grammar import processors_for_plan
 from turbospark.limits import check_images, check_prompt_tokens, check_request
 from turbospark.registry import ModelRegistry
-from turbospark.request import ChatRequest, Message, Tool, ToolChoiceMode
+from turbospark.request import ChatRequest, Message, SamplingParams, Tool, ToolChoiceMode
 from turbospark.toolcalls.guardrails import GuardrailConfig
 
 # Reasoning tokens allowed per effort level when the caller gives no explicit budget.
@@ -142,6 +152,35 @@ def reasoning_effort(request: ChatRequest, default: ReasoningEffort) -> Reasonin
     return default
 
 
+@dataclass(frozen=True, slots=True)
+class ResolvedSampling:
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+
+
+def resolve_sampling(sp: SamplingParams, defaults: SamplingDefaults) -> ResolvedSampling:
+    """Each sampler setting: the request's value when it set one (explicit 0 or 1.0 included),
+    else the served model's default, else off (a partial `defaults` may leave some unset)."""
+
+    def pick(requested: float | None, default: float | None, off: float | None) -> float:
+        for value in (requested, default, off):
+            if value is not None:
+                return value
+        raise AssertionError("NO_SAMPLING_DEFAULTS sets every field")
+
+    off = NO_SAMPLING_DEFAULTS
+    return ResolvedSampling(
+        temperature=pick(sp.temperature, defaults.temperature, off.temperature),
+        top_p=pick(sp.top_p, defaults.top_p, off.top_p),
+        top_k=int(pick(sp.top_k, defaults.top_k, off.top_k)),
+        min_p=pick(sp.min_p, defaults.min_p, off.min_p),
+        repetition_penalty=pick(sp.repetition_penalty, defaults.repetition_penalty, off.repetition_penalty),
+    )
+
+
 def _with_default_system(messages: list[Message], system: str | None) -> list[Message]:
     if system is None or any(m.role in ("system", "developer") for m in messages):
         return messages
@@ -210,14 +249,15 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
                 f"logit_bias token id {token_id} is outside the vocabulary (0..{backend.vocab_size - 1})",
                 "logit_bias",
             )
+    sampling = resolve_sampling(sp, served.sampling_defaults)
     config = GenerationConfig(
         max_new_tokens=max_new,
         stop_token_ids=tokenizer.eos_token_ids,
-        temperature=sp.temperature,
-        top_p=sp.top_p,
-        top_k=sp.top_k,
-        min_p=sp.min_p,
-        repetition_penalty=sp.repetition_penalty,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty,
         presence_penalty=sp.presence_penalty,
         frequency_penalty=sp.frequency_penalty,
         logit_bias=dict(sp.logit_bias),

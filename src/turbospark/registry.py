@@ -1,9 +1,9 @@
 """Model registry: a request's model id (or alias) to the served model that answers it.
 
 A `ServedModel` is a backend plus the server's policy for it (tool-call guardrails, the default
-system prompt, the default reasoning effort), fixed when the server builds it; the backend itself
-only knows model facts and how to run a completion. `turbospark.plan` is the one reader of the
-policy.
+system prompt, the default reasoning effort, the sampler settings a request that leaves them
+unset gets), fixed when the server builds it; the backend itself only knows model facts and how
+to run a completion. `turbospark.plan` is the one reader of the policy.
 
 An exact id or alias routes; Ollama-style names also resolve with their `:latest` tag dropped.
 Every model that generates is also served as `claude-turbospark-<id>`: Claude Code's gateway
@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from turbospark.backend import ChatModel, ReasoningEffort
+from turbospark.backend import BUILTIN_SAMPLING, ChatModel, ReasoningEffort, SamplingDefaults
 from turbospark.errors import ApiError, ErrorKind
 from turbospark.limits import Limits
 from turbospark.toolcalls.guardrails import GuardrailConfig
@@ -42,6 +42,20 @@ class ServedModel:
     guardrails: GuardrailConfig = field(default_factory=GuardrailConfig)
     default_system: str | None = None  # used only when a request has no system/developer message
     default_reasoning: ReasoningEffort = ReasoningEffort.OFF
+    # Every sampler setting a request leaves unset takes its value from here. None (the default):
+    # the model's own recommendation (generation_config.json, GGUF general.sampling.*) where it
+    # gives one, else `BUILTIN_SAMPLING`; `NO_SAMPLING_DEFAULTS` gives plain temperature sampling.
+    sampling: SamplingDefaults | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling is None:
+            self.sampling = self.backend.sampling_defaults().over(BUILTIN_SAMPLING)
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        """`sampling`, resolved (every field set)."""
+        assert self.sampling is not None  # set by __post_init__
+        return self.sampling
 
     @property
     def model_id(self) -> str:

@@ -76,11 +76,14 @@ class ResponseFormat:
 
 @dataclass(slots=True)
 class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    # None: the request left it unset, and the plan takes the served model's default
+    # (`registry.ServedModel.sampling`); a value the caller sent is used as sent (0 = off for
+    # top_k and min_p, 1.0 = off for top_p and repetition_penalty, temperature 0 = greedy).
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)

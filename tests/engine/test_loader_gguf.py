@@ -15,6 +15,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 
+from turbospark.backend import SamplingDefaults
 from turbospark.engine.gguf_loader import GGUFFile, dequantize, hf_tensor_name, load_gguf, unpermute_rows
 from turbospark.engine.loader import (
     DEFAULT_MODEL,
@@ -160,6 +161,7 @@ def write_tiny_gguf(
     weight_type: GGMLQuantizationType = Q.Q8_0,
     seed: int = 0,
     ffn_up_type: GGMLQuantizationType | None = None,
+    metadata: dict[str, float | int] | None = None,
 ) -> dict[str, np.ndarray]:
     """Write a small model; returns the HF-named float weights the file is meant to hold."""
     rng = np.random.default_rng(seed)
@@ -184,6 +186,8 @@ def write_tiny_gguf(
     writer.add_eos_token_id(vocab - 1)
     writer.add_add_bos_token(False)
     writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}")
+    for key, value in (metadata or {}).items():  # extra keys as llama.cpp types them
+        writer.add_int32(key, value) if isinstance(value, int) else writer.add_float32(key, value)
 
     expected: dict[str, np.ndarray] = {}
 
@@ -270,6 +274,29 @@ def test_tiny_llama_loads_with_hf_names_and_unpermuted_qk(tmp_path, weight_type)
     assert config["attention_bias"] is False
     assert ckpt.tokenizer_config["chat_template"].startswith("{% for m in messages %}")
     assert ckpt.tokenizer_config["eos_token_ids"] == [ckpt.tokenizer.token_to_id("<|im_end|>"), 256 + 8]
+
+
+def test_model_embedded_sampling_settings(tmp_path):
+    """llama.cpp's `general.sampling.*` keys are the model's sampling defaults; float32 values
+    read back as written (0.95, not 0.949999988)."""
+    path = tmp_path / "tiny-sampling.gguf"
+    write_tiny_gguf(
+        path,
+        metadata={
+            "general.sampling.temp": 0.6,
+            "general.sampling.top_p": 0.95,
+            "general.sampling.top_k": 20,
+            "general.sampling.penalty_repeat": 1.1,
+            "general.sampling.mirostat": 0,  # not a sampler turbospark has: not read
+        },
+    )
+    sampling = load_gguf(path, progress=False).sampling
+    assert sampling == SamplingDefaults(
+        temperature=0.6, top_p=0.95, top_k=20, repetition_penalty=1.1, source="GGUF general.sampling"
+    )
+    plain = tmp_path / "tiny-plain.gguf"
+    write_tiny_gguf(plain)
+    assert load_gguf(plain, progress=False).sampling.is_empty()
 
 
 def test_tiny_qwen2_keeps_qk_order_and_biases(tmp_path):
@@ -407,6 +434,11 @@ def test_smollm2_tokenizer_config(smollm2):
     assert tc["add_bos_token"] is False
     assert tc["eos_token_ids"] == [2, 0]  # <|im_end|>, and <|endoftext|>
     assert smollm2.tokenizer.encode("<|im_start|>user\nhi<|im_end|>").ids[0] == 1
+
+
+def test_smollm2_carries_no_sampling_settings(smollm2):
+    # no general.sampling.* keys: served, it gets the built-in defaults
+    assert smollm2.sampling.is_empty()
 
 
 @pytest.mark.slow

@@ -380,7 +380,7 @@ def parse_output_format(body: dict[str, Any]) -> ResponseFormat | None:
 
 def parse_sampling(body: dict[str, Any]) -> SamplingParams:
     sp = parse_temperature_top_p(body, max_temperature=1.0)
-    sp.top_k = f.integer(body, "top_k", minimum=0) or 0
+    sp.top_k = f.integer(body, "top_k", minimum=0)
     return sp
 
 

@@ -49,7 +49,7 @@ from turbospark.chat_template import CHATML_TEMPLATE
 from turbospark.errors import ApiError, invalid
 from turbospark.events import Finish, ReasoningDelta, TextDelta, TokenLogprob, ToolCallArgs, ToolCallStart
 from turbospark.plan import Plan, make_plan
-from turbospark.registry import model_kinds
+from turbospark.registry import ServedModel, model_kinds
 from turbospark.request import ChatRequest, Message, ResponseFormat, SamplingParams, ToolCall
 
 # The Ollama API level this server answers as on /api/version: tools that gate features on the
@@ -126,20 +126,18 @@ def parse_options(body: dict[str, Any]) -> tuple[SamplingParams, int | None, lis
     def where(key: str) -> str:
         return f"options.{key}"
 
+    # An option left out (or null) is None: the served model's default (see request.py).
     sp = SamplingParams()
-    temperature = f.number(opts, "temperature", where("temperature"), minimum=0.0)
-    if temperature is not None:
-        sp.temperature = temperature
-    top_p = f.number(opts, "top_p", where("top_p"), minimum=0.0, maximum=1.0)
-    if top_p is not None:
-        sp.top_p = top_p
-    sp.top_k = max(0, f.integer(opts, "top_k", where("top_k"), minimum=-1) or 0)
-    sp.min_p = f.number(opts, "min_p", where("min_p"), minimum=0.0, maximum=1.0) or 0.0
+    sp.temperature = f.number(opts, "temperature", where("temperature"), minimum=0.0)
+    sp.top_p = f.number(opts, "top_p", where("top_p"), minimum=0.0, maximum=1.0)
+    top_k = f.integer(opts, "top_k", where("top_k"), minimum=-1)
+    sp.top_k = None if top_k is None else max(0, top_k)  # llama.cpp: top_k <= 0 is off
+    sp.min_p = f.number(opts, "min_p", where("min_p"), minimum=0.0, maximum=1.0)
     seed = f.integer(opts, "seed", where("seed"))
     sp.seed = seed if seed is not None and seed >= 0 else None  # Ollama: -1 is a random seed
     repeat = f.number(opts, "repeat_penalty", where("repeat_penalty"), minimum=0.0, maximum=10.0)
     # 1.0 is off; llama.cpp treats 0 as off too rather than dividing logits by zero.
-    sp.repetition_penalty = repeat if repeat else 1.0
+    sp.repetition_penalty = None if repeat is None else repeat or 1.0
     sp.presence_penalty = (
         f.number(opts, "presence_penalty", where("presence_penalty"), minimum=-2.0, maximum=2.0) or 0.0
     )
@@ -556,20 +554,34 @@ async def ps(request: Request) -> Response:
     return JSONResponse({"models": models})
 
 
-def _modelfile(name: str, backend: ChatModel, template: str) -> str:
-    lines = [f"# Modelfile of {name}, as served by turbospark", f"FROM {backend.model_id}"]
+def _modelfile(name: str, served: ServedModel, template: str) -> str:
+    lines = [f"# Modelfile of {name}, as served by turbospark", f"FROM {served.model_id}"]
     lines.append(f'TEMPLATE """{template}"""')
-    lines += [f"PARAMETER {line}" for line in _parameters(backend).splitlines()]
+    lines += [f"PARAMETER {line}" for line in _parameters(served).splitlines()]
     return "\n".join(lines) + "\n"
 
 
-def _parameters(backend: ChatModel) -> str:
+def _parameters(served: ServedModel) -> str:
+    """The model's Modelfile parameters: its context, stop tokens and (for a model that
+    generates) the sampler settings a request that leaves them out gets."""
+    backend = served.backend
     tokenizer = backend.tokenizer
     lines = [f"num_ctx {backend.max_context}"]
     for token_id in sorted(tokenizer.eos_token_ids):
         token = tokenizer.id_to_token(token_id)
         if token:
             lines.append(f"stop {orjson.dumps(token).decode()}")
+    if "completion" in model_kinds(backend):
+        sampling = served.sampling_defaults
+        for name, value in (
+            ("temperature", sampling.temperature),
+            ("top_k", sampling.top_k),
+            ("top_p", sampling.top_p),
+            ("min_p", sampling.min_p),
+            ("repeat_penalty", sampling.repetition_penalty),
+        ):
+            if value is not None:
+                lines.append(f"{name} {value:g}")
     return "\n".join(lines)
 
 
@@ -581,7 +593,8 @@ async def show(request: Request) -> Response:
     if not name:
         raise invalid("'model' is required", "model")
     registry = state_of(request).registry
-    backend = registry.resolve(name).backend
+    served = registry.resolve(name)
+    backend = served.backend
     template = backend.tokenizer.chat_template or CHATML_TEMPLATE
     details = model_details(backend)
     # Editors size their prompts from "<architecture>.context_length".
@@ -600,8 +613,8 @@ async def show(request: Request) -> Response:
     return JSONResponse(
         {
             "license": "",
-            "modelfile": _modelfile(ollama_name(backend.model_id), backend, template),
-            "parameters": _parameters(backend),
+            "modelfile": _modelfile(ollama_name(backend.model_id), served, template),
+            "parameters": _parameters(served),
             "template": template,
             "details": details,
             "model_info": info,

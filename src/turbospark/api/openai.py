@@ -82,12 +82,12 @@ def parse_logit_bias(raw: Any) -> dict[int, float]:
 
 def parse_sampling(body: dict[str, Any]) -> SamplingParams:
     sp = parse_temperature_top_p(body, max_temperature=2.0)
-    sp.top_k = max(0, f.integer(body, "top_k", minimum=-1) or 0)
-    sp.min_p = f.number(body, "min_p", minimum=0.0, maximum=1.0) or 0.0
+    top_k = f.integer(body, "top_k", minimum=-1)
+    sp.top_k = None if top_k is None else max(0, top_k)  # -1 (vLLM's "off") is 0
+    sp.min_p = f.number(body, "min_p", minimum=0.0, maximum=1.0)
     sp.presence_penalty = f.number(body, "presence_penalty", minimum=-2.0, maximum=2.0) or 0.0
     sp.frequency_penalty = f.number(body, "frequency_penalty", minimum=-2.0, maximum=2.0) or 0.0
-    rep = f.number(body, "repetition_penalty", minimum=0.01, maximum=10.0)
-    sp.repetition_penalty = 1.0 if rep is None else rep
+    sp.repetition_penalty = f.number(body, "repetition_penalty", minimum=0.01, maximum=10.0)
     sp.seed = f.integer(body, "seed")
     sp.logit_bias = parse_logit_bias(body.get("logit_bias"))
     return sp

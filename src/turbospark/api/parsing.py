@@ -48,12 +48,11 @@ def parse_effort(value: Any, where: str) -> ReasoningEffort | None:
 
 
 def parse_temperature_top_p(body: dict[str, Any], *, max_temperature: float) -> SamplingParams:
-    """Sampling with the caller's `temperature` and `top_p` (each 1.0 when not sent)."""
+    """Sampling with the caller's `temperature` and `top_p` (each None, the served model's
+    default, when not sent or null)."""
     sp = SamplingParams()
-    temperature = f.number(body, "temperature", minimum=0.0, maximum=max_temperature)
-    sp.temperature = 1.0 if temperature is None else temperature
-    top_p = f.number(body, "top_p", minimum=0.0, maximum=1.0)
-    sp.top_p = 1.0 if top_p is None else top_p
+    sp.temperature = f.number(body, "temperature", minimum=0.0, maximum=max_temperature)
+    sp.top_p = f.number(body, "top_p", minimum=0.0, maximum=1.0)
     return sp
 
 

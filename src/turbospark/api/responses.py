@@ -47,7 +47,7 @@ from turbospark.events import (
     Usage,
 )
 from turbospark.generate import run_choice
-from turbospark.plan import make_plan
+from turbospark.plan import Plan, make_plan
 from turbospark.request import ChatRequest, Message, ResponseFormat, ToolCall, ToolChoiceMode
 
 CALL_PREFIX = "call_"  # on the engine's call ids, as OpenAI writes them
@@ -216,8 +216,11 @@ def usage_dict(usage: Usage) -> dict[str, Any]:
     }
 
 
-def response_skeleton(request: ChatRequest, body: dict[str, Any]) -> dict[str, Any]:
-    """The response object's request echo; output, status and usage are filled in later."""
+def response_skeleton(plan: Plan, body: dict[str, Any]) -> dict[str, Any]:
+    """The response object's request echo; output, status and usage are filled in later.
+    `temperature` and `top_p` are the values sampled with (the served model's defaults for
+    whichever the request left out)."""
+    request = plan.request
     choice = request.tool_choice
     tool_choice: Any = (
         {"type": "function", "name": choice.name}
@@ -248,7 +251,7 @@ def response_skeleton(request: ChatRequest, body: dict[str, Any]) -> dict[str, A
         "previous_response_id": None,
         "reasoning": {"effort": (reasoning or {}).get("effort"), "summary": (reasoning or {}).get("summary")},
         "store": False,
-        "temperature": request.sampling.temperature,
+        "temperature": plan.config.temperature,
         "text": {"format": text_format},
         "tool_choice": tool_choice,
         "tools": [
@@ -261,7 +264,7 @@ def response_skeleton(request: ChatRequest, body: dict[str, Any]) -> dict[str, A
             }
             for t in request.tools
         ],
-        "top_p": request.sampling.top_p,
+        "top_p": plan.config.top_p,
         "truncation": "disabled",
         "usage": None,
         "user": body.get("user"),
@@ -477,7 +480,7 @@ async def create_response(request: Request) -> Response:
     plan = make_plan(chat, state_of(request).registry)
     reasoning = body.get("reasoning")
     summarize = isinstance(reasoning, dict) and reasoning.get("summary") not in (None, "none")
-    builder = ResponseBuilder(response_skeleton(chat, body), summarize=summarize)
+    builder = ResponseBuilder(response_skeleton(plan, body), summarize=summarize)
 
     if not chat.stream:
         # The builder is this API's accumulator: the same one renders the stream.

@@ -38,6 +38,7 @@ from turbospark.backend import (
     ModelDetails,
     ProgressCallback,
     RequestImage,
+    SamplingDefaults,
 )
 from turbospark.engine.engine import Engine, StepRunner
 from turbospark.engine.models import Model
@@ -70,6 +71,7 @@ class RealChatModel(BackendDefaults):
         rate: RateControl | None = None,
         tensor_parallel: TensorParallelGroup | None = None,
         kv_dtype: torch.dtype | None = None,
+        sampling: SamplingDefaults | None = None,
     ) -> None:
         """`num_kv_blocks` sizes the KV cache (default: one full context per running sequence,
         at most 4; its elements `kv_dtype`, default the model's); the context never exceeds what
@@ -78,6 +80,7 @@ class RealChatModel(BackendDefaults):
         runner's one-sequence reference path, `forward` / `generate`, is single-process only)."""
         self.model_id = model_id
         self._tokenizer = tokenizer
+        self._sampling = sampling or SamplingDefaults()
         scheduler = scheduler or SchedulerConfig()
         context = min(max_context, model.config.max_position_embeddings, model.max_positions)
         if num_kv_blocks is None:
@@ -127,6 +130,10 @@ class RealChatModel(BackendDefaults):
     @property
     def runner(self) -> ModelRunner:
         return self._runner
+
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The sampler settings the checkpoint recommends (generation_config.json or GGUF metadata)."""
+        return self._sampling
 
     def details(self) -> ModelDetails:
         """Family, size and weight format, read off the loaded model (weights as held in memory;
@@ -343,6 +350,7 @@ def load_backend(
         # The embedded default is served as "smollm2", the name the README's requests use (and
         # "claude-turbospark-smollm2" for Claude Code), not as its display name SmolLM2-135M-Instruct.
         name = DEFAULT_MODEL if spec.strip() in ("", DEFAULT_MODEL) else ckpt.name
+        sampling = ckpt.sampling
         del ckpt  # the float checkpoint tensors are no longer needed once the model holds its own
         _release_freed_memory()
         return RealChatModel(
@@ -356,6 +364,7 @@ def load_backend(
             rate=rate,
             tensor_parallel=group,
             kv_dtype=kv_dtype,
+            sampling=sampling,
         )
     except BaseException:
         if group is not None:

@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, Keys
 
-from turbospark.engine.checkpoint import LoadedCheckpoint, ModelLoadError
+from turbospark.engine.checkpoint import LoadedCheckpoint, ModelLoadError, sampling_from
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -644,6 +644,16 @@ def _one_intra_op_thread() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+# llama.cpp's model-embedded sampler settings (its converter writes them from generation_config.json)
+GGUF_SAMPLING = {
+    "temperature": Keys.General.SAMPLING_TEMP,
+    "top_p": Keys.General.SAMPLING_TOP_P,
+    "top_k": Keys.General.SAMPLING_TOP_K,
+    "min_p": Keys.General.SAMPLING_MIN_P,
+    "repetition_penalty": Keys.General.SAMPLING_PENALTY_REPEAT,
+}
+
+
 def load_gguf(
     path: Path, *, name: str | None = None, progress: bool = True, dtype: torch.dtype | None = None
 ) -> LoadedCheckpoint:
@@ -686,6 +696,7 @@ def load_gguf(
         tensors=tensors,
         tokenizer=tokenizer,
         tokenizer_config=tokenizer_config,
+        sampling=sampling_from(gguf.metadata, GGUF_SAMPLING, "GGUF general.sampling"),
     )
 
 

@@ -6,7 +6,9 @@ safetensors file, so loading costs no reads until a tensor is touched. The confi
 config.json has it, with the few keys the model code relies on filled in (rope_theta and
 rope_scaling from transformers 5's `rope_parameters`, head_dim, num_key_value_heads,
 tie_word_embeddings, torch_dtype). The chat template comes from tokenizer_config.json,
-chat_template.jinja or chat_template.json, whichever the folder has.
+chat_template.jinja or chat_template.json, whichever the folder has. The sampler settings the
+model's authors recommend come from generation_config.json (temperature, top_p, top_k, min_p,
+repetition_penalty; `do_sample` is not read, as vLLM does not read it either).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from turbospark.engine.checkpoint import LoadedCheckpoint, ModelLoadError
+from turbospark.backend import SamplingDefaults
+from turbospark.engine.checkpoint import LoadedCheckpoint, ModelLoadError, sampling_from
 from turbospark.engine.gguf_tokenizer import END_OF_GENERATION_TEXTS
 
 _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -218,6 +221,18 @@ def load_tokenizer_files(folder: Path, config: Mapping[str, Any]) -> tuple[Token
     return tokenizer, tokenizer_config
 
 
+# generation_config.json's names for SamplingDefaults' fields (they are the same)
+GENERATION_CONFIG_SAMPLING = {n: n for n in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+
+
+def generation_sampling(folder: Path) -> SamplingDefaults:
+    """The sampler settings a folder's generation_config.json recommends (none without one)."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return SamplingDefaults()
+    return sampling_from(_read_json(path), GENERATION_CONFIG_SAMPLING, "generation_config.json")
+
+
 def load_hf_folder(
     folder: Path, *, name: str | None = None, progress: bool = True, dtype: torch.dtype | None = None
 ) -> LoadedCheckpoint:
@@ -254,4 +269,5 @@ def load_hf_folder(
         tensors=tensors,
         tokenizer=tokenizer,
         tokenizer_config=tokenizer_config,
+        sampling=generation_sampling(folder),
     )

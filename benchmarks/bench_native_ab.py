@@ -1,12 +1,17 @@
-"""Decode with turbospark's native kernels on and off, on random weights of a real config.
+"""Prefill and decode under different CPU settings (native kernels on / off, CPU profiles), on
+random weights of a real config.
 
 For a CPU where no GGUF is at hand (a lent machine): random float weights of a config from
 `bench_gpu.CONFIGS` (Qwen2.5-0.5B by default), quantized as `--quant` says, built as the server
-builds them; decode tokens/s of `--new-tokens` greedy tokens after a `--prompt-tokens` prompt.
+builds them; prefill tokens/s of a `--prompt-tokens` prompt, then decode tokens/s of
+`--new-tokens` greedy tokens. `--settings` lists the environments compared (default: the native
+kernels forced on, then off).
 Each setting runs in its own process (the CPU profile is fixed per process), alternating
 `--rounds` times; medians are reported. Speed does not depend on the weights' values.
 
     python benchmarks/bench_native_ab.py --threads 2 --quant int4,int8
+    python benchmarks/bench_native_ab.py \\
+        --settings "TURBOSPARK_CPU_KERNELS=auto;TURBOSPARK_CPU_KERNELS=bf16-native"
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ def one_run(config_name: str, quant: str, prompt_tokens: int, new_tokens: int, t
     import transformers
 
     from bench_gpu import CONFIGS
+    from turbospark.engine.backend import resolve_kv_dtype
     from turbospark.engine.cpu_kernels import cpu_kernels
     from turbospark.engine.models import build_model
     from turbospark.engine.runner import ModelRunner, SequenceState
@@ -41,10 +47,15 @@ def one_run(config_name: str, quant: str, prompt_tokens: int, new_tokens: int, t
     tensors = dict(hf.state_dict())
     del hf
     model = build_model(config, tensors, "cpu", cpu_kernels().activation_dtype, quant=quant, consume=True)
-    runner = ModelRunner(model, max_context=prompt_tokens + new_tokens + 16)
+    kv_dtype = resolve_kv_dtype("cpu", cpu_kernels().activation_dtype, None)  # the server's
+    runner = ModelRunner(model, max_context=prompt_tokens + new_tokens + 16, kv_dtype=kv_dtype)
     seq = SequenceState()
     ids = [int(t) for t in torch.randint(0, config["vocab_size"], (prompt_tokens,))]
+    runner.forward([(seq, ids[:16])])  # warm-up
+    runner.release(seq)
+    start = time.perf_counter()
     logits = runner.forward([(seq, ids)])[0]
+    prefill = prompt_tokens / (time.perf_counter() - start)
     token = int(logits.argmax())
     for _ in range(4):  # warm-up
         token = int(runner.forward([(seq, [token])])[0].argmax())
@@ -52,7 +63,7 @@ def one_run(config_name: str, quant: str, prompt_tokens: int, new_tokens: int, t
     for _ in range(new_tokens):
         token = int(runner.forward([(seq, [token])])[0].argmax())
     rate = new_tokens / (time.perf_counter() - start)
-    print(json.dumps({"rate": rate, "profile": cpu_kernels().describe()}))
+    print(json.dumps({"rate": rate, "prefill": prefill, "profile": cpu_kernels().describe()}))
 
 
 def main() -> None:
@@ -65,32 +76,45 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--settings",
+        default="TURBOSPARK_NATIVE_KERNELS=1;TURBOSPARK_NATIVE_KERNELS=0",
+        help="environments to compare, ';' between settings, ',' between VAR=VALUE",
+    )
     parser.add_argument(ONE_RUN, action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_run:
         one_run(args.config, args.quant, args.prompt_tokens, args.new_tokens, args.threads)
         return
-    rates: dict[tuple[str, str], list[float]] = {}
+    settings = [dict(kv.split("=", 1) for kv in group.split(",") if kv) for group in args.settings.split(";")]
+    names = [",".join(f"{k}={v}" for k, v in env.items()) or "default" for env in settings]
+    rates: dict[tuple[str, str], list[tuple[float, float]]] = {}
     profiles: dict[str, str] = {}
     for _ in range(args.rounds):
         for quant in args.quant.split(","):
-            for native in ("1", "0"):
+            for name, extra in zip(names, settings, strict=True):
                 cmd = [sys.executable, __file__, ONE_RUN, "--config", args.config, "--quant", quant]
                 cmd += ["--threads", str(args.threads), "--prompt-tokens", str(args.prompt_tokens)]
                 cmd += ["--new-tokens", str(args.new_tokens)]
-                env = {**os.environ, "TURBOSPARK_NATIVE_KERNELS": native}
+                env = {**os.environ, **extra}
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
                 result = json.loads(out.strip().splitlines()[-1])
-                rates.setdefault((quant, native), []).append(result["rate"])
-                profiles[native] = result["profile"]
-    for native, profile in profiles.items():
-        print(f"native={native}: {profile}")
+                rates.setdefault((quant, name), []).append((result["prefill"], result["rate"]))
+                profiles[name] = result["profile"]
+    for name, profile in profiles.items():
+        print(f"{name}: {profile}")
     print(
-        f"\n{args.config}, random weights, {args.threads} threads, decode after {args.prompt_tokens} tokens"
+        f"\n{args.config}, random weights, {args.threads} threads, "
+        f"prefill {args.prompt_tokens} tokens, then decode"
     )
     for quant in args.quant.split(","):
-        on, off = statistics.median(rates[(quant, "1")]), statistics.median(rates[(quant, "0")])
-        print(f"{quant}: native {on:.1f} tok/s, torch kernels {off:.1f} tok/s, ratio {on / off:.2f}x")
+        first = None
+        for name in names:
+            prefill = statistics.median(p for p, _ in rates[(quant, name)])
+            decode = statistics.median(d for _, d in rates[(quant, name)])
+            first = first or (prefill, decode)
+            ratio = f"{prefill / first[0]:.2f}x / {decode / first[1]:.2f}x of the first"
+            print(f"{quant} {name}: prefill {prefill:.1f} tok/s, decode {decode:.1f} tok/s ({ratio})")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,15 @@ def test_override_wins_and_is_named() -> None:
     assert "bfloat16" in forced.describe()
 
 
+def test_bf16_native_pairs_bf16_many_row_matmuls_with_native_decode() -> None:
+    mixed = detect(SAPPHIRE_RAPIDS, "bf16-native", native_rows=8)
+    assert mixed.dense_dtype == torch.bfloat16 and not mixed.packed_half
+    assert mixed.activation_dtype == torch.float32 and mixed.native_rows == 8
+    # without the native kernels (no compiler, no AVX2) decode stays on torch's kernels, on bf16
+    fallback = detect(SAPPHIRE_RAPIDS, "bf16-native", native_rows=0)
+    assert fallback.activation_dtype == torch.bfloat16 and fallback.native_rows == 0
+
+
 def test_override_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv(ENV_VAR, "avx2")
     assert detect(SAPPHIRE_RAPIDS).dense_dtype == torch.float32

@@ -64,13 +64,16 @@ class AttentionMetadata:
     def max_query_len(self) -> int:
         return max(self.query_lens_host)
 
-    def context_slots(self, i: int) -> slice | list[int]:
-        """Flat cache slots of sequence i's whole context: a slice when its blocks are consecutive."""
+    def context_slots(self, i: int) -> slice | torch.Tensor:
+        """Flat cache slots of sequence i's whole context: a slice when its blocks are consecutive,
+        else (kv_len,) int64 on the CPU (built per block, not per token: decode steps at tens of
+        thousands of tokens ask for it every step)."""
         table, kv_len, bs = self.block_tables_host[i], self.seq_lens_host[i], self.block_size
         used = table[: (kv_len + bs - 1) // bs]
-        if all(b == used[0] + k for k, b in enumerate(used)):
+        if used[-1] - used[0] == len(used) - 1 and all(b == used[0] + k for k, b in enumerate(used)):
             return slice(used[0] * bs, used[0] * bs + kv_len)
-        return [table[p // bs] * bs + p % bs for p in range(kv_len)]
+        blocks = torch.tensor(used, dtype=torch.long)
+        return (blocks[:, None] * bs + torch.arange(bs)).flatten()[:kv_len]
 
 
 def build_attention_metadata(
@@ -157,8 +160,8 @@ def _gather(cache: torch.Tensor, slots: slice | list[int] | torch.Tensor, dtype:
     if isinstance(slots, slice):
         return cache[:, slots].to(dtype)
     if isinstance(slots, list):
-        slots = torch.tensor(slots, dtype=torch.long, device=cache.device)
-    return cache.index_select(1, slots).to(dtype)
+        slots = torch.tensor(slots, dtype=torch.long)
+    return cache.index_select(1, slots.to(cache.device)).to(dtype)
 
 
 # Flash attention on CPU that also returns each row's log-sum-exp, so attention over two key
@@ -319,7 +322,7 @@ class _CpuPlan:
         for n in meta.query_lens_host:
             starts.append(starts[-1] + n)
         self.decode_rows: list[int] = []
-        self.decode_slots: list[slice | list[int]] = []
+        self.decode_slots: list[slice | torch.Tensor] = []
         self.decode_lens: list[int] = []
         # (first row, query_len, the slots to read, mask): with the CPU flash kernel the slots are
         # the cached prefix and the mask is None; otherwise the whole context with its mask
@@ -335,10 +338,13 @@ class _CpuPlan:
             mask = None
             if device.type != "cpu" or _FLASH_CPU is None:
                 mask = _chunk_mask(cached, kv_len, device)  # the fallback attends over the whole context
-            else:
-                slots = slots if isinstance(slots, list) else slice(slots.start, slots.start + cached)
-                slots = slots[:cached] if isinstance(slots, list) else slots  # the cached prefix only
-            read = torch.tensor(slots, dtype=torch.long, device=device) if isinstance(slots, list) else slots
+            else:  # the cached prefix only
+                slots = (
+                    slots[:cached]
+                    if isinstance(slots, torch.Tensor)
+                    else slice(slots.start, slots.start + cached)
+                )
+            read = slots.to(device) if isinstance(slots, torch.Tensor) else slots
             self.spans.append((starts[i], qlen, read, mask))
         self.decode_rows_t = torch.tensor(self.decode_rows, dtype=torch.long, device=device)
         self.decode_shape = (len(self.decode_lens), max(self.decode_lens, default=0))
@@ -351,12 +357,10 @@ class _CpuPlan:
         padded to the longest with a real slot; the key mask (num_decodes, 1, 1, max_len))."""
         if self._padded is None:
             max_len = self.decode_shape[1]
-            flat: list[int] = []
-            for slots, n in zip(self.decode_slots, self.decode_lens, strict=True):
-                ids = list(range(slots.start, slots.stop)) if isinstance(slots, slice) else slots
-                flat.extend(ids)
-                flat.extend([ids[0]] * (max_len - n))  # padding reads a real slot, masked out
-            gather = torch.tensor(flat, dtype=torch.long, device=self.device)
+            padded = []
+            for ids, n in zip(self._slot_tensors(), self.decode_lens, strict=True):
+                padded += [ids, ids[:1].expand(max_len - n)]  # padding reads a real slot, masked out
+            gather = torch.cat(padded).to(self.device)
             lens = torch.tensor(self.decode_lens, device=self.device)
             # broadcast over kv heads and the group's query rows
             is_real = (
@@ -365,14 +369,15 @@ class _CpuPlan:
             self._padded = (gather, is_real[:, None, None, :])
         return self._padded
 
+    def _slot_tensors(self) -> list[torch.Tensor]:
+        """Each decoding sequence's context slots as int64 on the CPU."""
+        return [torch.arange(s.start, s.stop) if isinstance(s, slice) else s for s in self.decode_slots]
+
     def decode_slot_ids(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(slot ids of every decoding sequence's context, concatenated; offsets (num_decodes + 1)),
         int64, for the native decode kernel: built on the first layer that asks."""
         if self._slot_ids is None:
-            parts = [
-                torch.arange(s.start, s.stop) if isinstance(s, slice) else torch.tensor(s, dtype=torch.long)
-                for s in self.decode_slots
-            ]
+            parts = self._slot_tensors()
             offsets = [0]
             for p in parts:
                 offsets.append(offsets[-1] + p.numel())

@@ -32,8 +32,9 @@ its blocked layout, float32 activations, float32 FMAs) beat both: Qwen2.5-0.5B's
 
 `TURBOSPARK_CPU_KERNELS` overrides the detection: "auto" (default), "avx2" (fp16-packed many-row
 matmuls where fbgemm exists, float32 activations), "float32" (float32 expansion, float32
-activations), or "bf16" (bfloat16 expansion and activations, for a CPU with native bf16 that
-detection missed). `describe()` is the line the server logs at start-up.
+activations), "bf16" (bfloat16 expansion and activations, for a CPU with native bf16 that
+detection missed), or "bf16-native" (bfloat16 expansion for many rows, float32 activations and
+the native kernels for decode steps). `describe()` is the line the server logs at start-up.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ ENV_VAR = "TURBOSPARK_CPU_KERNELS"
 # the native kernels' row limit: beyond it a matmul is a prefill chunk or a large decode batch,
 # where fbgemm's fp16 GEMM (or the expansion path) wins
 NATIVE_MAX_ROWS = 8
-CHOICES = ("auto", "avx2", "float32", "bf16")
+CHOICES = ("auto", "avx2", "float32", "bf16", "bf16-native")
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,9 +127,12 @@ def detect(
     amx = "amx_bf16" in flags
     native_bf16 = amx or "avx512_bf16" in flags
     vnni = "avx512_vnni" in flags or "avx_vnni" in flags
-    dense_bf16 = native_bf16 if override == "auto" else override == "bf16"
+    dense_bf16 = native_bf16 if override == "auto" else override in ("bf16", "bf16-native")
     if native_rows is None:
-        native_rows = _native_rows(dense_bf16)
+        native_rows = _native_rows(dense_bf16 and override != "bf16-native")
+    # float32 activations where bf16 is emulated, and where the native kernels take decode
+    # steps next to bf16 many-row matmuls ("bf16-native")
+    float_activations = not dense_bf16 or (override == "bf16-native" and native_rows > 0)
     packed_half = not dense_bf16 and override != "float32" and has_fbgemm_half()
     return CpuKernels(
         capability=capability,
@@ -137,7 +141,7 @@ def detect(
         vnni=vnni,
         dense_dtype=torch.bfloat16 if dense_bf16 else torch.float32,
         packed_half=packed_half,
-        activation_dtype=torch.bfloat16 if dense_bf16 else torch.float32,
+        activation_dtype=torch.float32 if float_activations else torch.bfloat16,
         source="detected" if override == "auto" else f"{ENV_VAR}={override}",
         native_rows=native_rows,
     )

@@ -68,9 +68,9 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}, torch {torch.__version__}")
     ckpt = load_checkpoint(args.model, progress=False)
     ids = prompt_ids(lambda t: ckpt.tokenizer.encode(t).ids, args.prompt_tokens)
-    engine = turbospark_engine(
-        ckpt.config, dict(ckpt.tensors), args.prompt_tokens + args.new_tokens + 64, 1.0
-    )
+    max_len = args.prompt_tokens + args.new_tokens + 64
+    decode_context = args.prompt_tokens + args.new_tokens // 2
+    engine = turbospark_engine(ckpt.config, dict(ckpt.tensors), max_len, 1.0, decode_context)
     # the same text, cut to about the prompt length (the chat template adds a few tokens)
     text = ckpt.tokenizer.decode(ids[: args.prompt_tokens - 32])
     engine_rates, http_rates, lengths = [], [], []

@@ -71,12 +71,16 @@ async def stream_choice(
     try:
         while True:
             try:
-                item = (
-                    await asyncio.wait_for(inbox.get(), ping_interval) if ping_interval else await inbox.get()
-                )
-            except TimeoutError:
-                yield Ping()  # in the engine's line or in a long prefill
-                continue
+                # tokens queued already are taken without a wait (a wait_for made a task and a
+                # timer per token on the event loop, which shares two cores with the engine)
+                item = inbox.get_nowait()
+            except asyncio.QueueEmpty:
+                try:
+                    async with asyncio.timeout(ping_interval):
+                        item = await inbox.get()
+                except TimeoutError:
+                    yield Ping()  # in the engine's line or in a long prefill
+                    continue
             if item is _DONE:
                 return
             if isinstance(item, _Failure):

@@ -11,8 +11,8 @@ It runs where every piece fits the kernels: the CPU profile runs the native kern
 projection is an int4 (native layout) or int8 linear, the norms are float32, the family's layer
 code is the shared one (no q/k norms: Qwen3 keeps the layer-by-layer path), the step is all
 decodes (one new token per sequence, at most `native.MAX_ROWS`), and the KV cache is the CPU
-backend's layout in float32 or float16. Anything else takes the layer-by-layer path, which computes the same
-thing with the same kernels.
+backend's layout in float32 or float16. Anything else takes the layer-by-layer path, which
+computes the same thing with the same kernels.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from turbospark.engine.attention import AttentionMetadata, CpuAttention, decode_
 if TYPE_CHECKING:
     from turbospark.engine.kv_cache import KVCache
     from turbospark.engine.models import base
-    from turbospark.engine.models.base import CausalLM
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -132,7 +131,7 @@ class NativeDecoder:
         self.hidden = int(model.hidden)
 
     @classmethod
-    def build(cls, lm: CausalLM) -> NativeDecoder | None:
+    def build(cls, lm: base.CausalLM) -> NativeDecoder | None:
         from turbospark.engine.models import base
 
         kernels = native.takes(torch.empty(1, 1))

@@ -12,15 +12,11 @@ API echoes the temperature and top_p the reply was sampled with; /api/show lists
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anthropic
-import httpx
 import ollama
 import openai
 import pytest
@@ -31,9 +27,8 @@ from turbospark.backend import BUILTIN_SAMPLING, NO_SAMPLING_DEFAULTS, SamplingD
 from turbospark.engine.backend import RealChatModel, load_backend
 from turbospark.engine.hf_loader import generation_sampling
 from turbospark.registry import ModelRegistry, ServedModel
-from turbospark.testing import LiveServer, free_port
+from turbospark.testing import LiveServer, ServerProcess
 
-SRC = Path(__file__).resolve().parents[2] / "src"
 GENERATION_CONFIG = {
     "do_sample": True,
     "temperature": 0.7,
@@ -183,30 +178,9 @@ def test_no_defaults_samples_with_temperature_alone(model: RealChatModel) -> Non
 @pytest.fixture
 def spawned(request: pytest.FixtureRequest, folder: Path) -> Iterator[str]:
     """`turbospark serve --model <folder> <flags>` as a user starts it."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "turbospark", "serve", "--port", str(port), "--model", str(folder)]
-    cmd += ["--dtype", "float32", "--quant", "none", "--kv-cache-gb", "0.01", *request.param]
-    proc = subprocess.Popen(
-        cmd, env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"}, stderr=subprocess.PIPE
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else "server exited"
-            assert time.monotonic() < deadline, "server never became healthy"
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        if proc.stderr:
-            proc.stderr.close()
+    flags = ["--dtype", "float32", "--quant", "none", "--kv-cache-gb", "0.01", *request.param]
+    with ServerProcess("--model", str(folder), *flags) as server:
+        yield server.url
 
 
 @pytest.mark.parametrize(

@@ -154,13 +154,11 @@ def write_kv(
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, slots: slice | list[int] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _gather(cache: torch.Tensor, slots: slice | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The cache's slots (num_kv_heads, len, head_dim) in `dtype` (a view where it can be: a
     slice of a cache already in that dtype)."""
     if isinstance(slots, slice):
         return cache[:, slots].to(dtype)
-    if isinstance(slots, list):
-        slots = torch.tensor(slots, dtype=torch.long)
     return cache.index_select(1, slots.to(cache.device)).to(dtype)
 
 

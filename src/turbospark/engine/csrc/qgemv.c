@@ -80,12 +80,18 @@ typedef struct {
     float *sum;
 } quantized;
 
-static int quantize(const float *x, int rows, int k, quantized *out) {
+/* room for `rows` activation rows of width up to k; -1 when out of memory (release() frees
+ * whatever was allocated) */
+static int quantized_alloc(int rows, int k, quantized *out) {
     const int nbp = padded_blocks(k);
     out->q = (int8_t *)aligned_alloc(64, ((size_t)rows * k + 63) / 64 * 64);
     out->scale = (float *)malloc(sizeof(float) * rows * nbp);
     out->sum = (float *)malloc(sizeof(float) * rows * nbp);
-    if (!out->q || !out->scale || !out->sum) return -1;
+    return out->q && out->scale && out->sum ? 0 : -1;
+}
+
+static int quantize(const float *x, int rows, int k, quantized *out) {
+    if (quantized_alloc(rows, k, out)) return -1;
     quantize_rows(x, rows, k, out->q, out->scale, out->sum);
     return 0;
 }
@@ -431,19 +437,21 @@ void ts_silu_mul(const float *gate_up, int rows, int inter, float *y) {
     }
 }
 
+/* one head of hd values: y = x * cos + roll(x, half) * sin (y must not alias x) */
+static inline void rotate_head(const float *x, float *y, int hd, const float *c, const float *s) {
+    const int half = hd / 2;
+    for (int i = 0; i < half; i++) y[i] = x[i] * c[i] + x[i + half] * s[i];
+    for (int i = half; i < hd; i++) y[i] = x[i] * c[i] + x[i - half] * s[i];
+}
+
 /* y = x * cos + roll(x, half) * sin per head ("rotate half" with the sign folded into sin);
  * x (tokens, heads, hd) with rows of `x_stride` floats per token, cos / sin (tokens, hd) */
 void ts_rotary(const float *x, int tokens, int heads, int hd, int x_stride, const float *cos_t, const float *sin_t,
                float *y) {
-    const int half = hd / 2;
     for (int t = 0; t < tokens; t++) {
         const float *c = cos_t + (size_t)t * hd, *s = sin_t + (size_t)t * hd;
-        for (int h = 0; h < heads; h++) {
-            const float *xh = x + (size_t)t * x_stride + (size_t)h * hd;
-            float *yh = y + ((size_t)t * heads + h) * hd;
-            for (int i = 0; i < half; i++) yh[i] = xh[i] * c[i] + xh[i + half] * s[i];
-            for (int i = half; i < hd; i++) yh[i] = xh[i] * c[i] + xh[i - half] * s[i];
-        }
+        for (int h = 0; h < heads; h++)
+            rotate_head(x + (size_t)t * x_stride + (size_t)h * hd, y + ((size_t)t * heads + h) * hd, hd, c, s);
     }
 }
 
@@ -706,13 +714,11 @@ static void store_kv(void *cache, size_t at, const float *x, int hd, int f16) {
 
 /* "rotate half" in place on `heads` heads of hd floats at x, by cos / sin (hd,) */
 static void rotate_in_place(float *x, int heads, int hd, const float *c, const float *s) {
-    const int half = hd / 2;
     float tmp[MAX_HEAD_DIM];
     for (int h = 0; h < heads; h++) {
         float *xh = x + (size_t)h * hd;
         for (int i = 0; i < hd; i++) tmp[i] = xh[i];
-        for (int i = 0; i < half; i++) xh[i] = tmp[i] * c[i] + tmp[i + half] * s[i];
-        for (int i = half; i < hd; i++) xh[i] = tmp[i] * c[i] + tmp[i - half] * s[i];
+        rotate_head(tmp, xh, hd, c, s);
     }
 }
 
@@ -737,11 +743,9 @@ int ts_decode_step(const ts_model *m, int rows, const float *x, const float *cos
     kmax = kmax > att_n ? kmax : att_n;
     const size_t floats = (size_t)rows * (3 * hidden + qkv_n + att_n + 3 * inter);
     float *buf = (float *)malloc(sizeof(float) * floats);
-    quantized qx = {(int8_t *)aligned_alloc(64, ((size_t)rows * kmax + 63) / 64 * 64),
-                    (float *)malloc(sizeof(float) * rows * padded_blocks(kmax)),
-                    (float *)malloc(sizeof(float) * rows * padded_blocks(kmax))};
+    quantized qx;
     int rc = -1;
-    if (!buf || !qx.q || !qx.scale || !qx.sum) goto done;
+    if (quantized_alloc(rows, kmax, &qx) || !buf) goto done;
     float *resid = buf, *h = resid + (size_t)rows * hidden, *y = h + (size_t)rows * hidden;
     float *qkv = y + (size_t)rows * hidden, *att = qkv + (size_t)rows * qkv_n, *gu = att + (size_t)rows * att_n;
     float *act = gu + (size_t)rows * 2 * inter;
@@ -775,8 +779,6 @@ int ts_decode_step(const ts_model *m, int rows, const float *x, const float *cos
     rc = 0;
 done:
     free(buf);
-    free(qx.q);
-    free(qx.scale);
-    free(qx.sum);
+    release(&qx);
     return rc;
 }

@@ -62,6 +62,16 @@ def test_bf16_native_pairs_bf16_many_row_matmuls_with_native_decode() -> None:
     assert fallback.activation_dtype == torch.bfloat16 and fallback.native_rows == 0
 
 
+def test_avx512_bf16_without_amx_detects_bf16_prompts_and_native_decode() -> None:
+    """Zen 4: bf16 prompt matmuls, decode steps on the native kernels where they build."""
+    zen4 = detect(ZEN4, "auto", native_rows=8)
+    assert zen4.dense_dtype == torch.bfloat16 and zen4.activation_dtype == torch.float32
+    assert zen4.native_rows == 8 and zen4.source == "detected"
+    assert detect(ZEN4, "auto", native_rows=0).activation_dtype == torch.bfloat16
+    amx = detect(SAPPHIRE_RAPIDS, "auto", native_rows=8)  # rows given, but AMX keeps torch's
+    assert amx.activation_dtype == torch.bfloat16
+
+
 def test_override_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv(ENV_VAR, "avx2")
     assert detect(SAPPHIRE_RAPIDS).dense_dtype == torch.float32

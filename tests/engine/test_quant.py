@@ -56,7 +56,7 @@ def test_int8_kernel_equals_the_dequantized_matmul() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_prefill_path_equals_the_kernel_path(dtype: torch.dtype) -> None:
-    lin = Int8Linear(float_linear(96, 64, bias=True), dtype, kernel_dtype=dtype)
+    lin = Int8Linear(float_linear(96, 64, bias=True), dtype, dense_dtype=dtype, kernel_dtype=dtype)
     x = torch.randn(MIN_ROWS_TO_DEQUANTIZE + 8, 64).to(dtype)
     dense = lin(x)  # dequantized weight, dense matmul
     rows = torch.cat([lin(x[i : i + 1]) for i in range(x.shape[0])])  # the int8 kernel

@@ -21,11 +21,14 @@ its blocked layout, float32 activations, float32 FMAs) beat both: Qwen2.5-0.5B's
 - `native_rows`: matmuls of up to this many rows (decode steps) of a quantized linear run
   turbospark's own AVX2 kernels (`turbospark.engine.native`: int8 activations in blocks of 32
   against the int4 / int8 codes, as llama.cpp does), where the CPU has AVX2, FMA and F16C and a
-  C compiler builds them, and bf16 is emulated; 0 elsewhere. On the AVX2 EPYC SmolLM2's decode
-  went from 29.9 to 61.6 tok/s with them; on a Sapphire Rapids Xeon (AMX, native bf16: torch's
-  kernels run bf16 activations there) they were slower than torch's for int4 (0.85x) and even
-  for int8 (0.99x; benchmarks/RESULTS.md), so that kind keeps torch's. `TURBOSPARK_NATIVE_KERNELS`
-  = "auto" (default, as said), "1" (wherever they can run) or "0" (never);
+  C compiler builds them, and either bf16 is emulated or it is native without AMX; 0 elsewhere.
+  On the AVX2 EPYC SmolLM2's decode went from 29.9 to 61.6 tok/s with them. On a Zen 4 EPYC
+  (AVX-512 BF16, no AMX) torch's bf16 decode kernels ran Qwen2.5-0.5B at 29.5 (int4) / 22.6
+  (int8) tok/s, the native one-call step at 46.5 / 44.8, so that kind runs prompts in bf16 and
+  decode steps natively, as "bf16-native" below (prefill 1.03x / 0.93x of all-bf16). On a
+  Sapphire Rapids Xeon (AMX) the trade is worse for prompts (0.75x) and that kind keeps torch's
+  kernels (benchmarks/RESULTS.md). `TURBOSPARK_NATIVE_KERNELS` = "auto" (default, as said), "1"
+  (wherever they can run) or "0" (never);
 - torch's decode kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`), where the
   native ones do not run, get bf16 activations: with float32 activations both run 20-100x
   slower on AVX2 (measured).
@@ -128,11 +131,14 @@ def detect(
     native_bf16 = amx or "avx512_bf16" in flags
     vnni = "avx512_vnni" in flags or "avx_vnni" in flags
     dense_bf16 = native_bf16 if override == "auto" else override in ("bf16", "bf16-native")
+    # bf16 many-row matmuls next to the native decode kernels: asked for, or detected where bf16
+    # is native without AMX (AVX-512 BF16 alone: AMD Zen 4)
+    mixed = override == "bf16-native" or (override == "auto" and native_bf16 and not amx)
     if native_rows is None:
-        native_rows = _native_rows(dense_bf16 and override != "bf16-native")
+        native_rows = _native_rows(dense_bf16 and not mixed)
     # float32 activations where bf16 is emulated, and where the native kernels take decode
-    # steps next to bf16 many-row matmuls ("bf16-native")
-    float_activations = not dense_bf16 or (override == "bf16-native" and native_rows > 0)
+    # steps next to bf16 many-row matmuls
+    float_activations = not dense_bf16 or (mixed and native_rows > 0)
     packed_half = not dense_bf16 and override != "float32" and has_fbgemm_half()
     return CpuKernels(
         capability=capability,

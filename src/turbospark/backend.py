@@ -6,7 +6,9 @@ HTTP, chat messages, stop strings, reasoning or tool calls: those live above it 
 (replays fixed logits, so tests can prove envelopes byte for byte) and the PyTorch engine's
 `turbospark.engine.backend.RealChatModel`.
 
-`run_completion` is blocking and is called from a worker thread, never from the event loop.
+`run_completion` is blocking and is called from a worker thread, never from the event loop. A
+backend whose engine has its own thread (the PyTorch engine) also offers `submit_completion`:
+the same generation queued without a waiting thread, its tokens posted to the event loop.
 Images, their encoding and the decode happen inside that one call (never two locked steps), so
 a second request cannot slip between a picture's injection and its decode.
 """
@@ -144,6 +146,22 @@ NEVER_CANCEL: CancelFlag = threading.Event()
 ProgressCallback = Callable[[TokenEvent], None]
 
 
+class Outbox(Protocol):
+    """Where a submitted generation's items go, from the engine's thread: each `TokenEvent` as it
+    is sampled, then one `CompletionResult` or one failure."""
+
+    def put(self, item: object, /) -> None: ...
+
+
+class Submission(Protocol):
+    """A generation submitted with `ChatModel.submit_completion`. Its owner passes every item the
+    outbox received, in order, to `take`, on one thread: `take` returns the token to hand on
+    (None once the cancel flag is set: the result then holds exactly the tokens handed on), the
+    final `CompletionResult`, or raises the generation's error."""
+
+    def take(self, item: object) -> TokenEvent | CompletionResult | None: ...
+
+
 @dataclass(slots=True)
 class VisionInfo:
     """A model's vision tower: its pixel budget and the ids its template uses for a picture."""
@@ -218,6 +236,15 @@ class ChatModel(Protocol):
         on_progress: ProgressCallback,
     ) -> CompletionResult: ...
 
+    def submit_completion(
+        self,
+        prompt_ids: Sequence[int],
+        config: GenerationConfig,
+        images: Sequence[RequestImage] | None,
+        cancel: CancelFlag,
+        outbox: Outbox,
+    ) -> Submission | None: ...
+
 
 class BackendDefaults:
     """Mixin with the protocol's defaults, so a backend only writes what differs."""
@@ -242,3 +269,16 @@ class BackendDefaults:
 
     def encode(self, texts: Sequence[str]) -> list[list[float]]:
         raise BackendError(f"model {self.model_id!r} does not support embeddings")
+
+    def submit_completion(
+        self,
+        prompt_ids: Sequence[int],
+        config: GenerationConfig,
+        images: Sequence[RequestImage] | None,
+        cancel: CancelFlag,
+        outbox: Outbox,
+    ) -> Submission | None:
+        """`run_completion` without a thread blocked in it: queues the generation and returns at
+        once (raising what `run_completion` would raise before its first token), its items going
+        to `outbox`. None: this backend has no such path, and `run_completion` runs on a thread."""
+        return None

@@ -13,9 +13,11 @@ SSE APIs can keep idle clients connected.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import threading
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Callable
 
 from turbospark.backend import BackendError, CompletionResult, TokenEvent
 from turbospark.engine.scheduler import EngineOverloaded
@@ -45,29 +47,55 @@ async def stream_choice(
     images = plan.request.images() or None
     stopped = loop.create_future()
 
-    def on_progress(token: TokenEvent) -> None:
+    def deliver(token: TokenEvent, post: Callable[[list[Event]], None]) -> None:
         events = pipeline.feed(token)
         if pipeline.stopped:
             cancel.set()
         if events:
-            loop.call_soon_threadsafe(inbox.put_nowait, events)
+            post(events)
+
+    def finish(result: CompletionResult, post: Callable[[object], None]) -> None:
+        post(pipeline.finish(result))
+        post(_DONE)
+
+    try:
+        outbox = _LoopOutbox(_mailbox(loop), lambda raw: take(raw))
+        submission = backend.submit_completion(plan.prompt_ids, config, images, cancel, outbox)
+    except Exception as exc:  # refused before the first token: the line is full, a bad prompt
+        raise _as_api_error(exc) from exc
+
+    def take(raw: object) -> None:
+        """One item from the engine, on the event loop, in the order they were made."""
+        assert submission is not None
+        try:
+            item = submission.take(raw)
+            if isinstance(item, TokenEvent):
+                deliver(item, inbox.put_nowait)
+            elif item is not None:
+                finish(item, inbox.put_nowait)
+        except BaseException as exc:
+            inbox.put_nowait(_Failure(exc))
+        if not isinstance(raw, TokenEvent):
+            _settle(stopped)  # the engine is done with the sequence
 
     def work() -> None:
+        def post(item: object) -> None:
+            loop.call_soon_threadsafe(inbox.put_nowait, item)
+
         try:
             result: CompletionResult = backend.run_completion(
-                plan.prompt_ids, config, images, cancel, on_progress
+                plan.prompt_ids, config, images, cancel, lambda token: deliver(token, post)
             )
-            final = pipeline.finish(result)
-            loop.call_soon_threadsafe(inbox.put_nowait, final)
-            loop.call_soon_threadsafe(inbox.put_nowait, _DONE)
+            finish(result, post)
         except BaseException as exc:  # handed to the event loop, re-raised there
-            loop.call_soon_threadsafe(inbox.put_nowait, _Failure(exc))
+            post(_Failure(exc))
         finally:
             loop.call_soon_threadsafe(_settle, stopped)
 
-    # One thread per generation, blocked in run_completion while the engine batches it: a
-    # pool would cap how many requests can wait in the engine's line.
-    threading.Thread(target=work, name="turbospark-gen", daemon=True).start()
+    if submission is None:
+        # One thread per generation, blocked in run_completion while the engine batches it: a
+        # pool would cap how many requests can wait in the engine's line.
+        threading.Thread(target=work, name="turbospark-gen", daemon=True).start()
     try:
         while True:
             try:
@@ -92,6 +120,56 @@ async def stream_choice(
         cancel.set()  # the consumer left (or finished): the engine drops the sequence
         with contextlib.suppress(BaseException):
             await asyncio.shield(stopped)
+
+
+class _Mailbox:
+    """Calls from other threads onto one event loop, coalesced: however many arrive before the
+    loop runs, they cost one wake-up (`call_soon_threadsafe` writes to the loop's socket each
+    time). The engine thread posts every token of every sequence on this loop here, so a step
+    wakes the loop once, and no thread per request sits between the engine and the loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._calls: collections.deque[tuple[Callable[[object], None], object]] = collections.deque()
+        self._armed = False  # a drain is scheduled and has not started
+
+    def post(self, fn: Callable[[object], None], arg: object) -> None:  # any thread
+        self._calls.append((fn, arg))
+        if not self._armed:
+            self._armed = True
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
+                self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:  # the loop
+        # disarmed before taking: a call posted from here on schedules its own drain
+        self._armed = False
+        while self._calls:
+            fn, arg = self._calls.popleft()
+            fn(arg)
+
+
+_mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = weakref.WeakKeyDictionary()
+
+
+def _mailbox(loop: asyncio.AbstractEventLoop) -> _Mailbox:
+    box = _mailboxes.get(loop)
+    if box is None:
+        box = _mailboxes[loop] = _Mailbox(loop)
+    return box
+
+
+class _LoopOutbox:
+    """A sequence's outbox (`turbospark.backend.Outbox`) that hands each item to `take` on the
+    event loop."""
+
+    __slots__ = ("_mailbox", "_take")
+
+    def __init__(self, mailbox: _Mailbox, take: Callable[[object], None]) -> None:
+        self._mailbox = mailbox
+        self._take = take
+
+    def put(self, item: object, /) -> None:
+        self._mailbox.post(self._take, item)
 
 
 def _settle(future: asyncio.Future[None]) -> None:

@@ -196,7 +196,11 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Toke
     if not rows:
         return []
     num_threads = torch.get_num_threads()
-    single = num_threads > 1 and logits.device.type == "cpu"
+    # greedy rows with nothing to edit or report only take numpy's argmax: no torch op to confine
+    argmax_only = all(
+        r.config.is_greedy and r.config.num_top_logprobs is None and not _edits(r) for r in rows
+    )
+    single = num_threads > 1 and logits.device.type == "cpu" and not argmax_only
     if single:
         torch.set_num_threads(1)  # see `sample`: small ops over the vocabulary stall on busy cores
     try:
@@ -207,14 +211,18 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Toke
 
 
 def _sample_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[TokenEvent | Exception]:
-    # a copy: the runner's logits are inference tensors (no in-place edits outside inference
-    # mode) and may be a CUDA graph's static output buffer
-    logits = logits.detach().to(torch.float32, copy=True)
+    edited = [_edits(row) for row in rows]
+    # a copy where a row is edited in place: the runner's logits are inference tensors (no
+    # in-place edits outside inference mode) and may be a CUDA graph's static output buffer.
+    # Rows only read (greedy, plain sampling) read them as they are: on CPU the copy was a fresh
+    # vocabulary-sized allocation per step, page faults included.
+    logits = logits.detach()
+    if any(edited) or logits.dtype != torch.float32:
+        logits = logits.to(torch.float32, copy=True)
     out: list[TokenEvent | Exception | None] = [None] * len(rows)
     for i, row in enumerate(rows):
         c = row.config
-        penalized = c.repetition_penalty != 1.0 or c.presence_penalty or c.frequency_penalty
-        if c.logit_bias or penalized or c.processors:
+        if edited[i]:
             try:
                 apply_penalties(logits[i], c, row.token_ids, row.generated_ids)
                 for proc in c.processors:
@@ -243,6 +251,13 @@ def _sample_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Tok
             assert isinstance(event, TokenEvent)
             _attach_logprobs(event, logprobs[j], rows[i].config)
     return [e for e in out if e is not None]
+
+
+def _edits(row: SamplingRow) -> bool:
+    """The row's logits are edited in place before its token is picked."""
+    c = row.config
+    penalized = c.repetition_penalty != 1.0 or c.presence_penalty or c.frequency_penalty
+    return bool(c.logit_bias or penalized or c.processors)
 
 
 def _sample_on_device(

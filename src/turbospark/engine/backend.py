@@ -36,11 +36,13 @@ from turbospark.backend import (
     CompletionResult,
     GenerationConfig,
     ModelDetails,
+    Outbox,
     ProgressCallback,
     RequestImage,
     SamplingDefaults,
+    Submission,
 )
-from turbospark.engine.engine import Engine, StepRunner
+from turbospark.engine.engine import Delivery, Engine, StepRunner
 from turbospark.engine.models import Model
 from turbospark.engine.runner import ModelRunner
 from turbospark.engine.scheduler import Scheduler, SchedulerConfig
@@ -162,6 +164,21 @@ class RealChatModel(BackendDefaults):
         cancel: CancelFlag,
         on_progress: ProgressCallback,
     ) -> CompletionResult:
+        self._check(prompt_ids, images)
+        return self.engine.run(prompt_ids, config, cancel, on_progress)
+
+    def submit_completion(
+        self,
+        prompt_ids: Sequence[int],
+        config: GenerationConfig,
+        images: Sequence[RequestImage] | None,
+        cancel: CancelFlag,
+        outbox: Outbox,
+    ) -> Submission:
+        self._check(prompt_ids, images)
+        return Delivery(self.engine, self.engine.submit(prompt_ids, config, cancel, outbox=outbox))
+
+    def _check(self, prompt_ids: Sequence[int], images: Sequence[RequestImage] | None) -> None:
         if images:
             raise BackendError(f"model {self.model_id!r} does not accept images: it has no vision tower")
         if not prompt_ids:
@@ -173,7 +190,6 @@ class RealChatModel(BackendDefaults):
             )
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
             raise BackendError(f"prompt token ids must lie in [0, {self.vocab_size})")
-        return self.engine.run(prompt_ids, config, cancel, on_progress)
 
 
 def weight_stats(model: torch.nn.Module, *, replicated: bool = True) -> tuple[int, int, set[str]]:

@@ -30,6 +30,7 @@ from turbospark.backend import (
     CompletionResult,
     FinishReason,
     GenerationConfig,
+    Outbox,
     ProgressCallback,
     TokenEvent,
 )
@@ -59,6 +60,38 @@ class StepRunner(Protocol):
     def vocab_size(self) -> int: ...
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor: ...
+
+
+class Delivery:
+    """The submitter's side of one sequence (`turbospark.backend.Submission`): every item of its
+    outbox goes through `take`, in order, on the submitter's thread. Once the cancel flag is set
+    no further token is handed on, and the result holds exactly the tokens that were."""
+
+    def __init__(self, engine: Engine, seq: Sequence) -> None:
+        self.engine = engine
+        self.seq = seq
+        self.delivered: list[int] = []
+
+    def take(self, item: object) -> TokenEvent | CompletionResult | None:
+        seq = self.seq
+        if isinstance(item, TokenEvent):
+            if seq.cancel.is_set():
+                return None
+            self.delivered.append(item.token_id)
+            return item
+        if isinstance(item, SequenceFailed):
+            raise item.error
+        assert isinstance(item, CompletionResult)
+        if seq.cancel.is_set():
+            item.token_ids = self.delivered
+            item.finish_reason = FinishReason.CANCELLED
+        metrics.observe_request(
+            self.engine.name,
+            time.monotonic() - seq.arrival_time,
+            prompt_tokens=item.num_prompt_tokens,
+            finish_reason=item.finish_reason.value,
+        )
+        return item
 
 
 class Engine:
@@ -92,8 +125,10 @@ class Engine:
         config: GenerationConfig,
         cancel: CancelFlag,
         runner_state: Any = None,
+        outbox: Outbox | None = None,
     ) -> Sequence:
-        """Queues a request; raises `EngineOverloaded` at once when the line is full."""
+        """Queues a request; raises `EngineOverloaded` at once when the line is full. Its items
+        go to `outbox` (from the engine thread), else to a queue of the sequence's own."""
         seq = Sequence(
             seq_id=next(self._ids),
             token_ids=list(prompt_ids),
@@ -104,6 +139,8 @@ class Engine:
             generator=make_generator(config.seed),
             runner_state=runner_state,
         )
+        if outbox is not None:
+            seq.outbox = outbox
         with self._lock:
             if seq.max_new_tokens <= 0:
                 seq.status = SequenceStatus.FINISHED
@@ -133,33 +170,21 @@ class Engine:
         Once `cancel` is set (by the caller, or by `on_progress` on a stop string) no further
         token is handed over, and the result holds exactly the tokens that were.
         """
-        seq = self.submit(prompt_ids, config, cancel, runner_state)
-        delivered: list[int] = []
+        box: queue.SimpleQueue[object] = queue.SimpleQueue()
+        seq = self.submit(prompt_ids, config, cancel, runner_state, outbox=box)
+        delivery = Delivery(self, seq)
         while True:
             try:
-                item = seq.outbox.get(timeout=0.5)
+                item = box.get(timeout=0.5)
             except queue.Empty:
                 if self._thread is not None and not self._thread.is_alive():
                     raise RuntimeError("the engine thread stopped") from None
                 continue
-            if isinstance(item, TokenEvent):
-                if not cancel.is_set():
-                    delivered.append(item.token_id)
-                    on_progress(item)
-                continue
-            if isinstance(item, SequenceFailed):
-                raise item.error
-            assert isinstance(item, CompletionResult)
-            if cancel.is_set():
-                item.token_ids = delivered
-                item.finish_reason = FinishReason.CANCELLED
-            metrics.observe_request(
-                self.name,
-                time.monotonic() - seq.arrival_time,
-                prompt_tokens=item.num_prompt_tokens,
-                finish_reason=item.finish_reason.value,
-            )
-            return item
+            taken = delivery.take(item)
+            if isinstance(taken, TokenEvent):
+                on_progress(taken)
+            elif taken is not None:
+                return taken
 
     def stop(self, wait: float | None = None) -> None:
         """Ends the engine thread after its current step; sequences still in it are cancelled."""

@@ -17,7 +17,14 @@ from typing import Any
 
 import torch
 
-from turbospark.backend import CancelFlag, CompletionResult, FinishReason, GenerationConfig, TokenEvent
+from turbospark.backend import (
+    CancelFlag,
+    CompletionResult,
+    FinishReason,
+    GenerationConfig,
+    Outbox,
+    TokenEvent,
+)
 
 
 class SequenceStatus(Enum):
@@ -33,9 +40,6 @@ class SequenceFailed:
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
-
-
-Outbox = queue.SimpleQueue  # TokenEvent ... then CompletionResult or SequenceFailed
 
 
 @dataclass(eq=False)
@@ -60,7 +64,8 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
-    outbox: Outbox[Any] = field(default_factory=queue.SimpleQueue)
+    # TokenEvent ... then CompletionResult or SequenceFailed; the submitter's, or a queue
+    outbox: Outbox = field(default_factory=queue.SimpleQueue[object])
 
     @property
     def num_tokens(self) -> int:

@@ -1,13 +1,15 @@
-"""Runs a plan on its backend off the event loop and streams events back into it.
+"""Runs a plan on its backend and streams events back into the event loop.
 
-`stream_choice` is the one async entry every API uses. It runs `run_completion` on a worker
-thread (the backend's engine puts it in its FIFO line and batches it), turns each token into
-events there (`OutputPipeline`) and hands them to the event loop as they are made. When the
-consumer stops listening (the client disconnected, or the caller closed the generator) the
-cancel flag is set, and the generator only returns once the worker has actually stopped. A full
-line is an `OVERLOADED` error (429 / 529 / 503 with Retry-After, by API). A `Ping` is yielded
-whenever nothing arrived for `ping_interval` seconds, in the line or during a long prefill, so
-SSE APIs can keep idle clients connected.
+`stream_choice` is the one async entry every API uses. A backend with `submit_completion` (the
+PyTorch engine) queues the generation from the loop and posts each token back into it, through
+a per-loop mailbox that wakes the loop once per engine step; the loop turns tokens into events
+(`OutputPipeline`). Other backends run `run_completion` on a worker thread per generation, which
+makes the events there and hands them to the loop. When the consumer stops listening (the
+client disconnected, or the caller closed the generator) the cancel flag is set, and the
+generator only returns once the engine has actually dropped the sequence. A full line is an
+`OVERLOADED` error (429 / 529 / 503 with Retry-After, by API). A `Ping` is yielded whenever
+nothing arrived for `ping_interval` seconds, in the line or during a long prefill, so SSE APIs
+can keep idle clients connected.
 """
 
 from __future__ import annotations

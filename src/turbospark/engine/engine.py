@@ -2,9 +2,10 @@
 
 `step()` is schedule -> run the model once for every scheduled sequence -> sample -> hand each
 sequence its new token. Requests enter through `submit` (from any thread) and leave through
-their sequence's outbox; `run` is the blocking `run_completion` body both backends share: it
-submits, then hands each token to the caller's `on_progress` on the caller's own thread, so
-detokenizing, stop strings, reasoning and tool parsing never slow the batch.
+their sequence's outbox, whose items the submitter passes through a `Delivery`; `run` is the
+blocking `run_completion` body both backends share: it submits, then hands each token to the
+caller's `on_progress` on the caller's own thread, so detokenizing, stop strings, reasoning and
+tool parsing never slow the batch (`generate.stream_choice` does the same on the event loop).
 
 The decode-rate cap paces steps: a step that produced k tokens waits until the process-wide
 `RateControl` allows k more.

@@ -1,0 +1,156 @@
+"""The engine's tokens go straight to the event loop (`submit_completion` + the loop's mailbox):
+the same events as the worker-thread path, stop strings and disconnects handled alike, no
+thread per request."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+
+import pytest
+from test_backend import WORDS, backend
+
+from turbospark import generate
+from turbospark.errors import ApiError
+from turbospark.events import Event, Finish, TextDelta
+from turbospark.generate import run_choice, stream_choice
+from turbospark.plan import Plan, make_plan
+from turbospark.registry import ModelRegistry
+from turbospark.request import ChatRequest, SamplingParams
+
+PROMPT = " ".join(WORDS[10:40])
+
+
+@pytest.fixture(scope="module")
+def registry() -> ModelRegistry:
+    registry = ModelRegistry()
+    registry.add(backend(max_context=200))
+    return registry
+
+
+def plan(registry: ModelRegistry, prompt: str = PROMPT, **fields: object) -> Plan:
+    request = ChatRequest(
+        model="tiny-llama",
+        messages=[],
+        prompt=prompt,
+        sampling=SamplingParams(temperature=0.0),
+        **fields,  # type: ignore[arg-type]
+    )
+    return make_plan(request, registry)
+
+
+def comparable(events: list[Event]) -> list[Event]:
+    """Events with the finish's timings and prefix-cache hits zeroed (a second run of a prompt
+    finds it cached; two runs differ in nothing else)."""
+    return [
+        dataclasses.replace(
+            e,
+            prefill_seconds=0.0,
+            decode_seconds=0.0,
+            usage=dataclasses.replace(e.usage, cached_tokens=0),
+        )
+        if isinstance(e, Finish)
+        else e
+        for e in events
+    ]
+
+
+def text_of(events: list[Event]) -> str:
+    return "".join(e.text for e in events if isinstance(e, TextDelta))
+
+
+def through_threads(monkeypatch: pytest.MonkeyPatch, p: Plan) -> list[Event]:
+    """The same plan on the worker-thread path (what a backend without the direct path gets)."""
+    with monkeypatch.context() as m:
+        m.setattr(type(p.backend), "submit_completion", lambda *args: None)
+        return comparable(asyncio.run(run_choice(p)))
+
+
+def test_tokens_reach_the_loop_without_a_thread(monkeypatch: pytest.MonkeyPatch, registry) -> None:
+    started = threading.Thread.start
+
+    def no_worker(thread: threading.Thread) -> None:
+        assert not thread.name.startswith("turbospark-gen"), "a worker thread was started"
+        started(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", no_worker)
+    p = plan(registry, max_tokens=12)
+    events = asyncio.run(run_choice(p))
+    finish = events[-1]
+    assert isinstance(finish, Finish) and finish.reason == "length"
+    assert finish.usage.completion_tokens == 12
+    monkeypatch.setattr(threading.Thread, "start", started)
+    assert comparable(events) == through_threads(monkeypatch, plan(registry, max_tokens=12))
+
+
+def test_a_stop_string_ends_both_paths_alike(monkeypatch: pytest.MonkeyPatch, registry) -> None:
+    text = text_of(asyncio.run(run_choice(plan(registry, max_tokens=12))))
+    stop = text.split()[4]  # a word in the middle of the greedy reply
+    direct = asyncio.run(run_choice(plan(registry, max_tokens=12, stop=[stop])))
+    assert comparable(direct) == through_threads(monkeypatch, plan(registry, max_tokens=12, stop=[stop]))
+    finish = direct[-1]
+    assert isinstance(finish, Finish) and finish.reason == "stop"
+    assert stop not in text_of(direct) and text.startswith(text_of(direct))
+    # the tokens handed on, not those the engine made before it saw the cancel flag
+    assert finish.usage.completion_tokens <= 5
+
+
+def test_a_consumer_that_leaves_frees_the_sequence(registry) -> None:
+    engine = registry.resolve("tiny-llama").backend.engine  # type: ignore[attr-defined]
+
+    async def leave_early() -> list[Event]:
+        got: list[Event] = []
+        stream = stream_choice(plan(registry, max_tokens=150))
+        async for event in stream:
+            got.append(event)
+            if len(got) == 3:
+                break
+        await stream.aclose()  # returns once the engine dropped the sequence
+        return got
+
+    assert len(asyncio.run(leave_early())) == 3
+    assert engine.scheduler.num_running == 0 and engine.scheduler.num_waiting == 0
+
+
+def test_a_refused_prompt_is_an_api_error_before_any_event(registry) -> None:
+    too_long = " ".join(WORDS[:250])  # past the 200-token context
+    with pytest.raises(ApiError) as caught:
+        asyncio.run(run_choice(plan(registry, prompt=too_long, max_tokens=4)))
+    assert caught.value.status == 400 and "context" in str(caught.value)
+
+
+def test_the_mailbox_keeps_order_and_coalesces_wakeups() -> None:
+    async def main() -> tuple[list[object], int]:
+        loop = asyncio.get_running_loop()
+        box = generate._Mailbox(loop)
+        wakeups = 0
+        schedule = loop.call_soon_threadsafe
+
+        def counting(*args):  # type: ignore[no-untyped-def]
+            nonlocal wakeups
+            wakeups += 1
+            return schedule(*args)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        got: list[object] = []
+        done = asyncio.Event()
+
+        def take(item: object) -> None:
+            got.append(item)
+            if item == 999:
+                done.set()
+
+        def producer() -> None:
+            for i in range(1000):
+                box.post(take, i)
+
+        thread = threading.Thread(target=producer)
+        thread.start()
+        await asyncio.wait_for(done.wait(), 10)
+        thread.join()
+        return got, wakeups
+
+    got, wakeups = asyncio.run(main())
+    assert got == list(range(1000))
+    assert 1 <= wakeups < 1000  # posts that found a drain pending woke nobody

@@ -8,6 +8,7 @@ other kernels do float32 arithmetic in another order than torch: bounded at 1e-5
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -192,3 +193,38 @@ def test_the_profile_uses_them_except_where_the_cpu_has_amx(monkeypatch) -> None
     assert detect(override="bf16").native_rows == native.MAX_ROWS  # forced on: wherever they run
     monkeypatch.setenv(native.ENV_VAR, "auto")
     assert detect(override="bf16").native_rows == 0
+
+
+_VNNI_PROBE = """
+import sys, torch
+from turbospark.engine import native
+from turbospark.engine.quant import quantize_int4, quantize_int8
+torch.manual_seed(0)
+k = native.kernels()
+w = torch.randn(96, 256) * 0.05
+codes, sz = quantize_int4(w, 32, torch.bfloat16)
+sz = sz.float().transpose(0, 1)
+blocks = native.pack_q4(codes, sz[..., 0], sz[..., 1] - 8 * sz[..., 0], 32)
+q8, s8 = quantize_int8(w)
+x = torch.randn(native.MAX_ROWS, 256) * 3
+torch.save({"vnni": native.uses_vnni(), "q4": k.q4_matmul(x, blocks, None),
+            "q8": k.q8_matmul(x, q8, s8.float(), None)}, sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(not native.uses_vnni(), reason="the CPU has no AVX-512 VNNI")
+def test_vnni_dot_products_equal_avx2s(tmp_path, monkeypatch) -> None:
+    """The VNNI build sums the same integer products as the AVX2 build: outputs bit for bit."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("TURBOSPARK_CACHE", str(tmp_path / "cache"))  # both builds compiled here
+    results = {}
+    for setting in ("1", "0"):
+        out = tmp_path / f"vnni-{setting}.pt"
+        env = {**os.environ, native.VNNI_ENV_VAR: setting}
+        subprocess.run([sys.executable, "-c", _VNNI_PROBE, str(out)], env=env, check=True, timeout=300)
+        results[setting] = torch.load(out)
+    assert results["1"]["vnni"] and not results["0"]["vnni"]
+    for name in ("q4", "q8"):
+        assert torch.equal(results["1"][name], results["0"][name]), name

@@ -76,6 +76,7 @@ class CpuKernels:
         isa = " + ".join([self.capability, *extras])
         few = (
             f"up to {self.native_rows} rows turbospark's AVX2 int8-activation kernels"
+            + (" (dot products on AVX-512 VNNI)" if _native_vnni() else "")
             if self.native_rows
             else "single rows torch's int4/int8 kernels on bf16"
         )
@@ -87,6 +88,12 @@ class CpuKernels:
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _native_vnni() -> bool:
+    from turbospark.engine import native
+
+    return native.uses_vnni()
 
 
 def has_fbgemm_half() -> bool:

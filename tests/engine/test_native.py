@@ -207,7 +207,7 @@ sz = sz.float().transpose(0, 1)
 blocks = native.pack_q4(codes, sz[..., 0], sz[..., 1] - 8 * sz[..., 0], 32)
 q8, s8 = quantize_int8(w)
 x = torch.randn(native.MAX_ROWS, 256) * 3
-torch.save({"vnni": native.uses_vnni(), "q4": k.q4_matmul(x, blocks, None),
+torch.save({"vnni": k.vnni, "q4": k.q4_matmul(x, blocks, None),
             "q8": k.q8_matmul(x, q8, s8.float(), None)}, sys.argv[1])
 """
 
@@ -228,3 +228,12 @@ def test_vnni_dot_products_equal_avx2s(tmp_path, monkeypatch) -> None:
     assert results["1"]["vnni"] and not results["0"]["vnni"]
     for name in ("q4", "q8"):
         assert torch.equal(results["1"][name], results["0"][name]), name
+
+
+def test_a_compiler_without_the_vnni_flags_still_builds_avx2s(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TURBOSPARK_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "uses_vnni", lambda flags=None: True)
+    monkeypatch.setattr(native, "VNNI_FLAGS", ("-mno-such-instruction-set",))
+    built = native.kernels.__wrapped__()  # uncached: a fresh build into tmp_path
+    assert built is not None and not built.vnni
+    assert built.path.parent == tmp_path / "kernels"

@@ -93,7 +93,8 @@ def _name(dtype: torch.dtype) -> str:
 def _native_vnni() -> bool:
     from turbospark.engine import native
 
-    return native.uses_vnni()
+    loaded = native.kernels()
+    return loaded is not None and loaded.vnni
 
 
 def has_fbgemm_half() -> bool:

@@ -63,6 +63,7 @@ class Kernels:
 
     lib: ctypes.CDLL
     path: Path
+    vnni: bool = False  # built with AVX-512 VNNI's dot products
 
     def q4_matmul(self, x: torch.Tensor, w: Q4Weight, bias: torch.Tensor | None) -> torch.Tensor:
         """x (rows, in) float32 @ the q4 weight (+ bias float32)."""
@@ -254,16 +255,16 @@ def build_flags() -> tuple[str, ...]:
     return (*FLAGS, *VNNI_FLAGS) if uses_vnni() else FLAGS
 
 
-def _library_path(cc: str) -> Path:
+def _library_path(cc: str, flags: tuple[str, ...]) -> Path:
     from turbospark.engine.checkpoint import cache_dir
 
     digest = hashlib.sha256()
     digest.update(SOURCE.read_bytes())
-    digest.update(" ".join((cc, *build_flags(), torch.__version__)).encode())
+    digest.update(" ".join((cc, *flags, torch.__version__)).encode())
     return cache_dir() / "kernels" / f"qgemv-{digest.hexdigest()[:16]}.so"
 
 
-def _build(cc: str, target: Path) -> None:
+def _build(cc: str, target: Path, flags: tuple[str, ...]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # compiled to a private name and renamed into place: processes starting at once never load
     # a half-written library
@@ -271,7 +272,7 @@ def _build(cc: str, target: Path) -> None:
     os.close(fd)
     try:
         result = subprocess.run(
-            [cc, *build_flags(), "-o", tmp, str(SOURCE)],
+            [cc, *flags, "-o", tmp, str(SOURCE)],
             capture_output=True,
             text=True,
             timeout=COMPILE_TIMEOUT_S,
@@ -284,7 +285,7 @@ def _build(cc: str, target: Path) -> None:
             os.unlink(tmp)
 
 
-def _load(path: Path) -> Kernels:
+def _load(path: Path, vnni: bool = False) -> Kernels:
     lib = ctypes.CDLL(str(path))
     lib.ts_q4_matmul.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P, _P, _I]
     lib.ts_q4_matmul.restype = _I
@@ -302,7 +303,7 @@ def _load(path: Path) -> Kernels:
     # (model description, rows, x, cos, sin, write slots, slot ids, offsets, out, threads)
     lib.ts_decode_step.argtypes = [_P, _I, _P, _P, _P, _P, _P, _P, _P, _I]
     lib.ts_decode_step.restype = _I
-    return Kernels(lib, path)
+    return Kernels(lib, path, vnni)
 
 
 def mode() -> str:
@@ -337,11 +338,15 @@ def kernels() -> Kernels | None:
         return None
     cc = _compiler()
     assert cc is not None
-    path = _library_path(cc)
-    try:
-        if not path.exists():
-            _build(cc, path)
-        return _load(path)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("native quantized kernels off: %s", e)
-        return None
+    error: Exception | None = None
+    # a compiler too old for the VNNI flags still builds the AVX2 variant
+    for flags in dict.fromkeys((build_flags(), FLAGS)):
+        path = _library_path(cc, flags)
+        try:
+            if not path.exists():
+                _build(cc, path, flags)
+            return _load(path, vnni=flags != FLAGS)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            error = e
+    log.warning("native quantized kernels off: %s", error)
+    return None

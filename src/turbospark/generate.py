@@ -131,16 +131,18 @@ class _Mailbox:
     wakes the loop once, and no thread per request sits between the engine and the loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        # weakly: `_mailboxes` keys on the loop, and a value holding its key would keep both
+        self._loop = weakref.ref(loop)
         self._calls: collections.deque[tuple[Callable[[object], None], object]] = collections.deque()
         self._armed = False  # a drain is scheduled and has not started
 
     def post(self, fn: Callable[[object], None], arg: object) -> None:  # any thread
         self._calls.append((fn, arg))
-        if not self._armed:
+        loop = self._loop()
+        if not self._armed and loop is not None:
             self._armed = True
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
-                self._loop.call_soon_threadsafe(self._drain)
+                loop.call_soon_threadsafe(self._drain)
 
     def _drain(self) -> None:  # the loop
         # disarmed before taking: a call posted from here on schedules its own drain

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import threading
 
 import pytest
@@ -154,3 +155,15 @@ def test_the_mailbox_keeps_order_and_coalesces_wakeups() -> None:
     got, wakeups = asyncio.run(main())
     assert got == list(range(1000))
     assert 1 <= wakeups < 1000  # posts that found a drain pending woke nobody
+
+
+def test_a_finished_loop_leaves_no_mailbox_behind() -> None:
+    async def one() -> None:
+        generate._mailbox(asyncio.get_running_loop())
+
+    gc.collect()  # loops of earlier tests
+    before = len(generate._mailboxes)
+    for _ in range(3):
+        asyncio.run(one())
+    gc.collect()
+    assert len(generate._mailboxes) == before

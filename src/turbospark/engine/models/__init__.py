@@ -138,6 +138,10 @@ def build_model(
     model.eval()
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     assert not left, f"never loaded: {left}"
+    if device.type == "cpu":
+        from turbospark.engine.weight_arena import pack_weights
+
+        pack_weights(model)  # huge pages under the weights a decode step streams through
     return model  # type: ignore[no-any-return]
 
 

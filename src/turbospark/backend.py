@@ -157,9 +157,13 @@ class Submission(Protocol):
     """A generation submitted with `ChatModel.submit_completion`. Its owner passes every item the
     outbox received, in order, to `take`, on one thread: `take` returns the token to hand on
     (None once the cancel flag is set: the result then holds exactly the tokens handed on), the
-    final `CompletionResult`, or raises the generation's error."""
+    final `CompletionResult`, or raises the generation's error. `alive` turns False if what makes
+    the items stopped before this generation's last one (its thread died): the owner then fails the
+    request instead of waiting for items that will never come."""
 
     def take(self, item: object) -> TokenEvent | CompletionResult | None: ...
+
+    def alive(self) -> bool: ...
 
 
 @dataclass(slots=True)

@@ -29,6 +29,7 @@ from turbospark.output import OutputPipeline
 from turbospark.plan import Plan
 
 _DONE = object()
+ENGINE_CHECK_SECONDS = 1.0  # how often a quiet direct-path stream checks that the engine runs
 
 
 class _Failure:
@@ -98,6 +99,10 @@ async def stream_choice(
         # One thread per generation, blocked in run_completion while the engine batches it: a
         # pool would cap how many requests can wait in the engine's line.
         threading.Thread(target=work, name="turbospark-gen", daemon=True).start()
+    # on the direct path nothing else notices an engine thread that died: it is looked at
+    # whenever nothing arrived for a while
+    check = ENGINE_CHECK_SECONDS if submission is not None else None
+    quiet_since = loop.time()
     try:
         while True:
             try:
@@ -105,12 +110,27 @@ async def stream_choice(
                 # timer per token on the event loop, which shares two cores with the engine)
                 item = inbox.get_nowait()
             except asyncio.QueueEmpty:
+                wait = check
+                if ping_interval is not None:
+                    due = quiet_since + ping_interval - loop.time()
+                    if due <= 0:
+                        quiet_since = loop.time()
+                        yield Ping()  # in the engine's line or in a long prefill
+                        continue
+                    wait = due if wait is None else min(wait, due)
                 try:
-                    async with asyncio.timeout(ping_interval):
+                    async with asyncio.timeout(wait):
                         item = await inbox.get()
                 except TimeoutError:
-                    yield Ping()  # in the engine's line or in a long prefill
+                    if submission is not None and not submission.alive():
+                        await asyncio.sleep(0)  # items the engine posted before it ended come first
+                        if inbox.empty():
+                            _settle(stopped)  # nothing will drop the sequence now
+                            raise ApiError(
+                                ErrorKind.INTERNAL, "generation failed: the engine stopped"
+                            ) from None
                     continue
+            quiet_since = loop.time()
             if item is _DONE:
                 return
             if isinstance(item, _Failure):

@@ -167,3 +167,29 @@ def test_a_finished_loop_leaves_no_mailbox_behind() -> None:
         asyncio.run(one())
     gc.collect()
     assert len(generate._mailboxes) == before
+
+
+class _EngineKilled(BaseException):
+    """Not an `Exception`: the engine's loop does not catch it, and its thread dies."""
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_engine_fails_the_stream_instead_of_hanging(monkeypatch: pytest.MonkeyPatch) -> None:
+    own = ModelRegistry()  # its engine dies here: not the module's
+    model = backend(max_context=200)
+    own.add(model)
+    engine = model.engine
+
+    def killed() -> int:
+        raise _EngineKilled
+
+    monkeypatch.setattr(engine, "step", killed)
+    monkeypatch.setattr(generate, "ENGINE_CHECK_SECONDS", 0.05)
+
+    async def main() -> None:
+        await asyncio.wait_for(run_choice(plan(own, max_tokens=8)), timeout=20)
+
+    with pytest.raises(ApiError) as caught:
+        asyncio.run(main())
+    assert caught.value.status == 500 and "engine stopped" in str(caught.value)
+    assert not engine.alive()

@@ -94,6 +94,9 @@ class Delivery:
         )
         return item
 
+    def alive(self) -> bool:
+        return self.engine.alive()
+
 
 class Engine:
     def __init__(
@@ -178,7 +181,7 @@ class Engine:
             try:
                 item = box.get(timeout=0.5)
             except queue.Empty:
-                if self._thread is not None and not self._thread.is_alive():
+                if not self.alive():
                     raise RuntimeError("the engine thread stopped") from None
                 continue
             taken = delivery.take(item)
@@ -186,6 +189,13 @@ class Engine:
                 on_progress(taken)
             elif taken is not None:
                 return taken
+
+    def alive(self) -> bool:
+        """False once the engine thread has ended: on `stop` (after handing every sequence its
+        result) or killed by an error that is not an `Exception`, when sequences in it get no
+        further items."""
+        thread = self._thread
+        return thread is None or thread.is_alive()
 
     def stop(self, wait: float | None = None) -> None:
         """Ends the engine thread after its current step; sequences still in it are cancelled."""

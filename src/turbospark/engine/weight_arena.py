@@ -5,9 +5,9 @@ A decode step reads every weight once. Loaded tensor by tensor, SmolLM2's int4 m
 1 MiB each, too small for the kernel to back with 2 MiB pages on its own): ~40,000 pages per
 step, far past what the TLB holds, so the GEMV kernels walk page tables as they stream. Packed
 into one 2 MiB-aligned anonymous mapping advised `MADV_HUGEPAGE` before it is touched, the same
-bytes take ~80 pages. Measured (SmolLM2 Q4_1 GGUF, AMD EPYC Zen 4 class, 2 threads, two models
-in one process decoding 128 tokens in alternation, 8 rounds): 117.9 against 111.9 tokens/s, 7 of
-8 rounds faster.
+bytes take ~80 pages. Measured (AMD EPYC Zen 4 class, 2 threads, two models in one process
+decoding 128 tokens in alternation): SmolLM2 int4 137.2 against 132.4 tokens/s, Qwen2.5-0.5B
+int8 51.0 against 49.2 (benchmarks/RESULTS.md).
 
 Each tensor keeps its identity: `Tensor.set_` points it at its slice of the mapping, so every
 holder (module attributes, the native decoder's descriptions, `Q4Weight`s) sees the move, and

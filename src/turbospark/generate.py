@@ -21,6 +21,7 @@ import threading
 import weakref
 from collections.abc import AsyncIterator, Callable
 
+from turbospark import handoff
 from turbospark.backend import BackendError, CompletionResult, TokenEvent
 from turbospark.engine.scheduler import EngineOverloaded
 from turbospark.errors import ApiError, ErrorKind
@@ -158,9 +159,14 @@ class _Mailbox:
 
     def post(self, fn: Callable[[object], None], arg: object) -> None:  # any thread
         self._calls.append((fn, arg))
-        loop = self._loop()
-        if not self._armed and loop is not None:
+        if not self._armed:
             self._armed = True
+            # the engine thread holds its wake-ups until it enters its next forward (`handoff`)
+            handoff.wake(self._wake)
+
+    def _wake(self) -> None:
+        loop = self._loop()
+        if loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
                 loop.call_soon_threadsafe(self._drain)
 

@@ -7,12 +7,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import sys
 import threading
 
 import pytest
-from test_backend import WORDS, backend
+from test_backend import WORDS, backend, word_tokenizer
+from tiny_models import FAMILIES, checkpoint
 
 from turbospark import generate
+from turbospark.engine import native
+from turbospark.engine.backend import RealChatModel
+from turbospark.engine.cpu_kernels import cpu_kernels
+from turbospark.engine.models import build_model
 from turbospark.errors import ApiError
 from turbospark.events import Event, Finish, TextDelta
 from turbospark.generate import run_choice, stream_choice
@@ -193,3 +199,33 @@ def test_a_dead_engine_fails_the_stream_instead_of_hanging(monkeypatch: pytest.M
         asyncio.run(main())
     assert caught.value.status == 500 and "engine stopped" in str(caught.value)
     assert not engine.alive()
+
+
+@pytest.mark.skipif(
+    native.kernels() is None or not cpu_kernels().native_rows,
+    reason="the CPU profile does not run the native decode step here",
+)
+def test_tokens_wake_the_loop_as_the_next_forward_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine thread holds a step's wake-up until it enters the next native decode step (or
+    goes idle): never while it still runs Python the loop would take the GIL from."""
+    cfg, tensors, _ = checkpoint(FAMILIES["llama"], seed=0, init_std=1.0)
+    model = RealChatModel(
+        "tiny-llama", build_model(cfg, tensors, quant="int4"), word_tokenizer(), max_context=200
+    )
+    assert model.runner.model.native_decoder() is not None
+    own = ModelRegistry()
+    own.add(model)
+    woken_from: list[str] = []
+    wake = generate._Mailbox._wake
+
+    def recording(self: generate._Mailbox) -> None:
+        # _wake <- handoff.release <- the place that released
+        woken_from.append(sys._getframe(2).f_code.co_qualname)
+        wake(self)
+
+    monkeypatch.setattr(generate._Mailbox, "_wake", recording)
+    events = asyncio.run(run_choice(plan(own, max_tokens=12)))
+    finish = events[-1]
+    assert isinstance(finish, Finish) and finish.usage.completion_tokens == 12
+    assert "NativeDecoder.run" in woken_from
+    assert set(woken_from) <= {"NativeDecoder.run", "Engine._loop"}

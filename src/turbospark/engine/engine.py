@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from turbospark import metrics
+from turbospark import handoff, metrics
 from turbospark.backend import (
     CancelFlag,
     CompletionResult,
@@ -207,21 +207,29 @@ class Engine:
 
     # ---- the engine thread ----
     def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self.scheduler.has_work() and not self._stopping:
-                    self._work.wait()
-                if self._stopping:
-                    for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-                        self.scheduler.finish(seq, FinishReason.CANCELLED)
-                    return
-            try:
-                self.step()
-            except Exception:  # a bug in the step itself: fail what is running, keep serving
-                log.exception("engine step failed")
+        # tokens wake their event loop when this thread next enters a forward, not while it
+        # still runs Python the loop would contend for (`turbospark.handoff`)
+        handoff.hold()
+        try:
+            while True:
                 with self._lock:
-                    for seq in [*self.scheduler.running]:
-                        self.scheduler.fail(seq, RuntimeError("the engine step failed"))
+                    if not self.scheduler.has_work():
+                        handoff.release()
+                    while not self.scheduler.has_work() and not self._stopping:
+                        self._work.wait()
+                    if self._stopping:
+                        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                            self.scheduler.finish(seq, FinishReason.CANCELLED)
+                        return
+                try:
+                    self.step()
+                except Exception:  # a bug in the step itself: fail what is running, keep serving
+                    log.exception("engine step failed")
+                    with self._lock:
+                        for seq in [*self.scheduler.running]:
+                            self.scheduler.fail(seq, RuntimeError("the engine step failed"))
+        finally:
+            handoff.release()
 
     def step(self) -> int:
         """One engine step; returns the number of tokens handed out."""
@@ -230,6 +238,7 @@ class Engine:
             batch = self.scheduler.schedule()
             self._export_gauges()
         if not batch.seqs:
+            handoff.release()
             time.sleep(0.001)  # everything left was cancelled, or waits for blocks
             return 0
         scheduled_at = time.monotonic()
@@ -238,6 +247,8 @@ class Engine:
                 seq.first_scheduled_time = scheduled_at
         forward_started = time.perf_counter()
         try:
+            # the runner releases the held wake-ups as it enters its long call; whatever path
+            # it took, none stay held past the forward
             logits = self.runner.execute(batch)
         except Exception as exc:  # the whole step failed: its sequences fail, others go on
             log.exception("model step failed")
@@ -246,6 +257,8 @@ class Engine:
                     if seq.status is SequenceStatus.RUNNING:
                         self.scheduler.fail(seq, exc)
             return 0
+        finally:
+            handoff.release()
         forward_done = time.perf_counter()
         sampling = [s for s, wants in zip(batch.seqs, batch.samples, strict=True) if wants]
         events = sample_batch(logits, sampling)
@@ -280,6 +293,8 @@ class Engine:
         self.step_seconds += forward_done - forward_started
         self.overhead_seconds += (time.perf_counter() - started) - (forward_done - forward_started)
         if self.rate is not None and emitted:
+            if self.rate.cap() is not None:
+                handoff.release()  # the cap may sleep: these tokens go out first
             self.rate.pace(emitted)
         return emitted
 

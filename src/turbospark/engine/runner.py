@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from turbospark import handoff
 from turbospark.backend import CancelFlag, CompletionResult, GenerationConfig, ProgressCallback
 from turbospark.decode import run_decode_loop
 from turbospark.engine.attention import AttentionBackend, build_attention_metadata
@@ -143,6 +144,7 @@ class ModelRunner:
             if not self._captured:
                 self.graphs.capture()  # seconds, once: on the engine thread, off the event loop
                 self._captured = True
+            handoff.release()  # the GPU runs the step: the event loop may run meanwhile
             logits = self.graphs(input_ids, positions, meta)  # replays decode steps, else eager
         else:
             logits = self.model(input_ids, positions, meta, self.kv_cache)

@@ -24,6 +24,7 @@ from typing import Any, Self
 import torch
 from torch import nn
 
+from turbospark import handoff
 from turbospark.engine import cuda_ops
 from turbospark.engine.attention import AttentionMetadata
 from turbospark.engine.kv_cache import KVCache, LayerCache
@@ -324,6 +325,8 @@ class CausalLM(nn.Module):
         decoder = self.native_decoder()
         if decoder is not None and decoder.takes(input_ids, meta, kv_cache):
             return self.lm_head(decoder.run(x, rope, meta, kv_cache)).float()  # type: ignore[no-any-return]
+        # layer by layer, torch lets the GIL go around every op: nothing to wait for
+        handoff.release()
         residual = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, rope, kv_cache.layer(i), meta)

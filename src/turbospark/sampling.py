@@ -197,10 +197,7 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Toke
         return []
     num_threads = torch.get_num_threads()
     # greedy rows with nothing to edit or report only take numpy's argmax: no torch op to confine
-    argmax_only = all(
-        r.config.is_greedy and r.config.num_top_logprobs is None and not _edits(r) for r in rows
-    )
-    single = num_threads > 1 and logits.device.type == "cpu" and not argmax_only
+    single = num_threads > 1 and logits.device.type == "cpu" and not argmax_only(rows)
     if single:
         torch.set_num_threads(1)  # see `sample`: small ops over the vocabulary stall on busy cores
     try:
@@ -251,6 +248,12 @@ def _sample_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Tok
             assert isinstance(event, TokenEvent)
             _attach_logprobs(event, logprobs[j], rows[i].config)
     return [e for e in out if e is not None]
+
+
+def argmax_only(rows: Sequence[SamplingRow]) -> bool:
+    """Every row's token is its logits' argmax, with nothing edited first or reported beside
+    it: the ids are all that is needed (`ModelRunner.execute_greedy` may have them already)."""
+    return all(r.config.is_greedy and r.config.num_top_logprobs is None and not _edits(r) for r in rows)
 
 
 def _edits(row: SamplingRow) -> bool:

@@ -72,6 +72,35 @@ def test_q8_matmul_is_the_dequantized_product(rows: int) -> None:
     assert relative_error(got, expected) < QUANT_BOUND
 
 
+@pytest.mark.parametrize("rows", [1, 4, native.MAX_ROWS])
+def test_q8_matmul_finds_numpys_argmax_as_it_writes(rows: int) -> None:
+    """The fused argmax equals numpy's over the very logits returned, ties (the first maximum)
+    and NaNs (the first NaN) included, across chunk boundaries and a partial last chunk."""
+    assert kernels is not None
+    torch.manual_seed(rows)
+    n = 32 * 9 + 13  # nine full chunks and a partial one
+    w = torch.randn(n, 64) * 0.05
+    q, scales = quantize_int8(w)
+    q[200], scales[200] = q[37], scales[37]  # two columns equal to each other for every row
+    x = torch.randn(rows, 64)
+    bias = torch.zeros(n)
+    y, ids = kernels.q8_matmul_argmax(x, q, scales, bias)
+    assert torch.equal(y, kernels.q8_matmul(x, q, scales, bias))
+    assert ids.tolist() == y.numpy().argmax(axis=1).tolist()
+    # make both tied columns the maximum of row 0: the earlier one wins, as in numpy
+    bias[37] = bias[200] = 1e4
+    y, ids = kernels.q8_matmul_argmax(x, q, scales, bias)
+    assert ids.tolist() == y.numpy().argmax(axis=1).tolist()
+    assert ids[0] == 37
+    bias[250] = float("nan")  # a NaN column: numpy's argmax picks it
+    bias[300] = float("nan")
+    y, ids = kernels.q8_matmul_argmax(x, q, scales, bias)
+    assert ids.tolist() == y.numpy().argmax(axis=1).tolist() == [250] * rows
+    bias.fill_(float("-inf"))  # nothing above -inf: the first column
+    y, ids = kernels.q8_matmul_argmax(x, q, scales, bias)
+    assert ids.tolist() == y.numpy().argmax(axis=1).tolist() == [0] * rows
+
+
 def test_quantized_linears_take_decode_rows_natively_and_agree_with_their_other_paths() -> None:
     torch.manual_seed(0)
     lin = Linear(256, 96, bias=True)

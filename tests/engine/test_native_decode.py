@@ -96,3 +96,36 @@ def test_families_with_their_own_layer_code_keep_the_layer_path() -> None:
 def test_float_weights_keep_the_layer_path() -> None:
     cfg, tensors, _ = checkpoint(FAMILIES["llama"])
     assert build_model(cfg, tensors, "cpu", torch.float32).native_decoder() is None
+
+
+def test_greedy_steps_take_the_argmax_the_lm_head_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An all-greedy decode step takes the ids the int8 lm_head found while writing the logits:
+    numpy's argmax of those very logits, and the same reply as the sampler's path."""
+    import threading
+
+    from test_backend import greedy, word_tokenizer
+
+    from turbospark.engine.backend import RealChatModel
+
+    cfg, tensors, _ = checkpoint(FAMILIES["llama"], seed=0, init_std=1.0)
+    model = build_model(cfg, tensors, "cpu", torch.float32, quant="int4")
+    backend = RealChatModel("tiny-llama", model, word_tokenizer(), max_context=200)
+    found: list[list[int] | None] = []
+    execute_greedy = ModelRunner.execute_greedy
+
+    def checked(self: ModelRunner, batch):  # type: ignore[no-untyped-def]
+        logits, ids = execute_greedy(self, batch)
+        if ids is not None:
+            assert ids == logits.numpy().argmax(axis=1).tolist()
+        found.append(ids)
+        return logits, ids
+
+    monkeypatch.setattr(ModelRunner, "execute_greedy", checked)
+    prompt = random_ids(9, seed=3)
+    fused = backend.run_completion(prompt, greedy(16), None, threading.Event(), lambda _: None)
+    assert len(fused.token_ids) == 16
+    assert sum(ids is not None for ids in found) == 15  # every decode step; the prompt's is not
+    monkeypatch.setattr(ModelRunner, "execute_greedy", None)  # the engine samples from the logits
+    sampled = backend.run_completion(prompt, greedy(16), None, threading.Event(), lambda _: None)
+    assert sampled.token_ids == fused.token_ids
+    backend.engine.stop(wait=5)

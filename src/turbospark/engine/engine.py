@@ -38,7 +38,7 @@ from turbospark.backend import (
 from turbospark.engine.scheduler import ScheduledBatch, Scheduler
 from turbospark.engine.sequence import Sequence, SequenceFailed, SequenceStatus
 from turbospark.ratecontrol import RateControl
-from turbospark.sampling import make_generator, sample_batch
+from turbospark.sampling import argmax_only, make_generator, sample_batch
 
 log = logging.getLogger("turbospark.engine")
 
@@ -55,7 +55,9 @@ def _stop_engines() -> None:
 
 class StepRunner(Protocol):
     """Runs the model once over a scheduled batch. Returns logits (num_sampling, vocab) float32,
-    one row per sequence with `batch.samples[i]` set, in batch order."""
+    one row per sequence with `batch.samples[i]` set, in batch order. A runner may also offer
+    `execute_greedy(batch) -> (logits, ids | None)` (`ModelRunner`'s): the engine calls it for
+    steps whose sampling rows all take the argmax, and uses the ids when it gets them."""
 
     @property
     def vocab_size(self) -> int: ...
@@ -245,11 +247,19 @@ class Engine:
         for seq in batch.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = scheduled_at
+        sampling = [s for s, wants in zip(batch.seqs, batch.samples, strict=True) if wants]
+        # where every token is an argmax, the lm_head may find it as it writes the logits
+        execute_greedy = getattr(self.runner, "execute_greedy", None)
+        fused = sampling and execute_greedy is not None and argmax_only(sampling)
+        greedy_ids: list[int] | None = None
         forward_started = time.perf_counter()
         try:
             # the runner releases the held wake-ups as it enters its long call; whatever path
             # it took, none stay held past the forward
-            logits = self.runner.execute(batch)
+            if fused:
+                logits, greedy_ids = execute_greedy(batch)  # type: ignore[misc]
+            else:
+                logits = self.runner.execute(batch)
         except Exception as exc:  # the whole step failed: its sequences fail, others go on
             log.exception("model step failed")
             with self._lock:
@@ -260,8 +270,10 @@ class Engine:
         finally:
             handoff.release()
         forward_done = time.perf_counter()
-        sampling = [s for s, wants in zip(batch.seqs, batch.samples, strict=True) if wants]
-        events = sample_batch(logits, sampling)
+        if greedy_ids is not None:
+            events: list[TokenEvent | Exception] = [TokenEvent(token_id=t) for t in greedy_ids]
+        else:
+            events = sample_batch(logits, sampling)
         now = time.monotonic()
         emitted = 0
         with self._lock:

@@ -77,15 +77,26 @@ class Kernels:
         weight = (codes.data_ptr(), scales.data_ptr())
         return self._matmul(self.lib.ts_q8_matmul, x, weight, codes.shape[0], bias)
 
+    def q8_matmul_argmax(
+        self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`q8_matmul`'s y, and each row's argmax over it (rows,) int64, found as the chunks are
+        written (numpy's argmax: the first maximum, a NaN first of all)."""
+        ids = torch.empty(x.shape[0], dtype=torch.int64)
+        weight = (codes.data_ptr(), scales.data_ptr())
+        y = self._matmul(self.lib.ts_q8_matmul_argmax, x, weight, codes.shape[0], bias, ids.data_ptr())
+        return y, ids
+
     @staticmethod
     def _matmul(
-        fn: Any, x: torch.Tensor, weight: tuple[int, ...], n: int, bias: torch.Tensor | None
+        fn: Any, x: torch.Tensor, weight: tuple[int, ...], n: int, bias: torch.Tensor | None, *extra: int
     ) -> torch.Tensor:
-        """y (rows, n) float32 from one of the C matmuls: (x, rows, k, *weight, n, bias, y, threads)."""
+        """y (rows, n) float32 from one of the C matmuls: (x, rows, k, *weight, n, bias, y,
+        *extra, threads)."""
         rows, k = x.shape
         x = x.contiguous()
         y = torch.empty(rows, n, dtype=torch.float32)
-        rc = fn(x.data_ptr(), rows, k, *weight, n, _ptr(bias), y.data_ptr(), torch.get_num_threads())
+        rc = fn(x.data_ptr(), rows, k, *weight, n, _ptr(bias), y.data_ptr(), *extra, torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(
                 f"native matmul refused {rows} rows of width {k} (at most {MAX_ROWS} rows, width % 32 == 0)"
@@ -291,6 +302,8 @@ def _load(path: Path, vnni: bool = False) -> Kernels:
     lib.ts_q4_matmul.restype = _I
     lib.ts_q8_matmul.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _I]
     lib.ts_q8_matmul.restype = _I
+    lib.ts_q8_matmul_argmax.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _P, _I]
+    lib.ts_q8_matmul_argmax.restype = _I
     F = ctypes.c_float
     lib.ts_rms_norm.argtypes = [_P, _P, _P, _P, F, _I, _I, _P]
     lib.ts_rms_norm.restype = None

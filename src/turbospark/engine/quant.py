@@ -155,6 +155,15 @@ class Int8Linear(nn.Module):
         self.out_scales = scales  # (out,) float32
         self.float_bias = None if self.bias is None else self.bias.float()
 
+    def forward_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`, and each row's argmax over the output (rows,) int64 where the native kernel
+        finds it as it writes the rows (float32 activations, rows it takes); else None."""
+        if x.shape[0] <= self.native_rows and x.dtype == torch.float32:
+            kernels = native.kernels()
+            assert kernels is not None
+            return kernels.q8_matmul_argmax(x, self.weight, self.out_scales, self.float_bias)
+        return self.forward(x), None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, in_features)
         rows = x.shape[0]

@@ -129,9 +129,21 @@ class ModelRunner:
         """One forward over the step; logits (num_sampling, vocab) float32, batch order."""
         return self.run_step(self.step_inputs(batch))
 
+    def execute_greedy(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int] | None]:
+        """`execute`, and each sampling row's argmax over its logits when the forward found them
+        on the way (a native decode step in which every sequence samples); else None. The engine
+        asks for it when every sampling row is an argmax-only greedy one."""
+        argmax: list[torch.Tensor] = []
+        step = self.step_inputs(batch)
+        logits = self.run_step(step, argmax)
+        if argmax and len(step.sample_rows) == len(step.num_new) == argmax[0].shape[0]:
+            return logits, argmax[0].tolist()
+        return logits, None
+
     @torch.inference_mode()
-    def run_step(self, step: StepInputs) -> torch.Tensor:
-        """One forward over a step's inputs; logits (len(step.sample_rows), vocab) float32."""
+    def run_step(self, step: StepInputs, argmax: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """One forward over a step's inputs; logits (len(step.sample_rows), vocab) float32.
+        `argmax`: see `CausalLM.forward` (eager forwards only)."""
         meta, positions = build_attention_metadata(
             step.block_tables, step.num_cached, step.num_new, self.kv_cache.block_size, self.device
         )
@@ -146,6 +158,8 @@ class ModelRunner:
                 self._captured = True
             handoff.release()  # the GPU runs the step: the event loop may run meanwhile
             logits = self.graphs(input_ids, positions, meta)  # replays decode steps, else eager
+        elif argmax is not None:
+            logits = self.model(input_ids, positions, meta, self.kv_cache, argmax=argmax)
         else:
             logits = self.model(input_ids, positions, meta, self.kv_cache)
         return logits[: len(rows)]

@@ -320,7 +320,13 @@ typedef struct {
     const float *bias;
     float *y;
     int rows, k, n;
+    float *best;      /* when set: each chunk's largest output per row, (chunks, rows) */
+    int64_t *best_at; /* and its column */
 } matmul_job;
+
+/* numpy's argmax order: a NaN beats everything (the first NaN wins), else the larger value; ties
+ * keep the earlier column, so scanning columns in order gives the first maximum */
+static inline int beats(float v, float best) { return isnan(v) ? !isnan(best) : v > best; }
 
 #define ROWS_PER_CHUNK 32
 
@@ -346,40 +352,88 @@ static void q4_chunk(void *arg, int chunk) {
 static void q8_chunk(void *arg, int chunk) {
     const matmul_job *j = (const matmul_job *)arg;
     const xrows x = rows_of(j->qx, j->k);
+    const int start = chunk * ROWS_PER_CHUNK;
     const int end = (chunk + 1) * ROWS_PER_CHUNK < j->n ? (chunk + 1) * ROWS_PER_CHUNK : j->n;
-    for (int o = chunk * ROWS_PER_CHUNK; o < end; o++) {
+    float best[MAX_ROWS];
+    int64_t best_at[MAX_ROWS];
+    for (int o = start; o < end; o++) {
         float out[MAX_ROWS];
 #define Q8(R) q8_dot((const int8_t *)j->w + (size_t)o * j->k, x, R, out)
         FOR_ROWS(j->rows, Q8)
         const float bo = j->bias ? j->bias[o] : 0.0f;
-        for (int r = 0; r < j->rows; r++) j->y[(size_t)r * j->n + o] = out[r] * j->scales[o] + bo;
+        for (int r = 0; r < j->rows; r++) {
+            const float v = out[r] * j->scales[o] + bo;
+            j->y[(size_t)r * j->n + o] = v;
+            if (o == start || beats(v, best[r])) {
+                best[r] = v;
+                best_at[r] = o;
+            }
+        }
     }
+    if (j->best)
+        for (int r = 0; r < j->rows; r++) {
+            j->best[(size_t)chunk * j->rows + r] = best[r];
+            j->best_at[(size_t)chunk * j->rows + r] = best_at[r];
+        }
 }
 
 static int quantized_matmul(chunk_fn fn, const float *x, int rows, int k, const void *w, const uint16_t *d16,
-                            const uint16_t *m16, const float *scales, int n, const float *bias, float *y, int threads) {
-    if (rows < 1 || rows > MAX_ROWS || k % QK || (d16 && k % (2 * QK))) return -1;
+                            const uint16_t *m16, const float *scales, int n, const float *bias, float *y,
+                            int64_t *argmax, int threads) {
+    if (rows < 1 || rows > MAX_ROWS || k % QK || (d16 && k % (2 * QK)) || n < 1) return -1;
+    const int chunks = (n + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK;
     quantized qx;
     if (quantize(x, rows, k, &qx)) {
         release(&qx);
         return -1;
     }
-    matmul_job job = {&qx, w, d16, m16, scales, bias, y, rows, k, n};
-    parallel_chunks(fn, &job, (n + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK, threads);
+    matmul_job job = {&qx, w, d16, m16, scales, bias, y, rows, k, n, NULL, NULL};
+    if (argmax) { /* each chunk keeps its rows' maxima as it writes them: no second read of y */
+        job.best = malloc(sizeof(float) * (size_t)chunks * rows);
+        job.best_at = malloc(sizeof(int64_t) * (size_t)chunks * rows);
+        if (!job.best || !job.best_at) {
+            free(job.best);
+            free(job.best_at);
+            release(&qx);
+            return -1;
+        }
+    }
+    parallel_chunks(fn, &job, chunks, threads);
     release(&qx);
+    if (argmax) {
+        for (int r = 0; r < rows; r++) { /* chunks in column order: the first maximum wins */
+            float best = job.best[r];
+            int64_t at = job.best_at[r];
+            for (int c = 1; c < chunks; c++)
+                if (beats(job.best[(size_t)c * rows + r], best)) {
+                    best = job.best[(size_t)c * rows + r];
+                    at = job.best_at[(size_t)c * rows + r];
+                }
+            argmax[r] = at;
+        }
+        free(job.best);
+        free(job.best_at);
+    }
     return 0;
 }
 
 /* y (rows, n) = x (rows, k) @ w.T (+ bias); returns 0, or -1 when rows or memory is out of range */
 int ts_q4_matmul(const float *x, int rows, int k, const uint8_t *codes, const uint16_t *d16, const uint16_t *m16,
                  int n, const float *bias, float *y, int threads) {
-    return quantized_matmul(q4_chunk, x, rows, k, codes, d16, m16, NULL, n, bias, y, threads);
+    return quantized_matmul(q4_chunk, x, rows, k, codes, d16, m16, NULL, n, bias, y, NULL, threads);
 }
 
 /* y (rows, n) = (x (rows, k) @ w.T) * scales (+ bias), w int8 (n, k) */
 int ts_q8_matmul(const float *x, int rows, int k, const int8_t *w, const float *scales, int n,
                  const float *bias, float *y, int threads) {
-    return quantized_matmul(q8_chunk, x, rows, k, w, NULL, NULL, scales, n, bias, y, threads);
+    return quantized_matmul(q8_chunk, x, rows, k, w, NULL, NULL, scales, n, bias, y, NULL, threads);
+}
+
+/* the same, and argmax (rows) int64: each row's column of its largest output, as numpy's argmax
+ * of y would give it (the first maximum; a NaN counts as the largest) */
+int ts_q8_matmul_argmax(const float *x, int rows, int k, const int8_t *w, const float *scales, int n,
+                        const float *bias, float *y, int64_t *argmax, int threads) {
+    return quantized_matmul(q8_chunk, x, rows, k, w, NULL, NULL, scales, n, bias, y, argmax, threads);
 }
 
 /* ---- the rest of a decode step, for few rows: each replaces several torch ops ---- */

@@ -52,7 +52,12 @@ class Model(Protocol):
     def max_positions(self) -> int: ...
 
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        argmax: list[torch.Tensor] | None = None,
     ) -> torch.Tensor: ...
 
 

@@ -317,14 +317,23 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: KVCache,
+        argmax: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: (num_tokens,) packed; returns logits (num_seqs, vocab) of each
-        sequence's last token."""
+        sequence's last token. With `argmax` (a list) and a native step whose lm_head finds the
+        rows' argmax as it writes them, those ids (num_seqs,) int64 are appended to it."""
         x = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
         rope = self.rotary(positions)
         decoder = self.native_decoder()
         if decoder is not None and decoder.takes(input_ids, meta, kv_cache):
-            return self.lm_head(decoder.run(x, rope, meta, kv_cache)).float()  # type: ignore[no-any-return]
+            h = decoder.run(x, rope, meta, kv_cache)
+            fused = getattr(self.lm_head, "forward_argmax", None)
+            if argmax is not None and fused is not None:
+                logits, ids = fused(h)
+                if ids is not None:
+                    argmax.append(ids)
+                return logits.float()  # type: ignore[no-any-return]
+            return self.lm_head(h).float()  # type: ignore[no-any-return]
         # layer by layer, torch lets the GIL go around every op: nothing to wait for
         handoff.release()
         residual = None

@@ -158,10 +158,8 @@ class ModelRunner:
                 self._captured = True
             handoff.release()  # the GPU runs the step: the event loop may run meanwhile
             logits = self.graphs(input_ids, positions, meta)  # replays decode steps, else eager
-        elif argmax is not None:
-            logits = self.model(input_ids, positions, meta, self.kv_cache, argmax=argmax)
         else:
-            logits = self.model(input_ids, positions, meta, self.kv_cache)
+            logits = self.model(input_ids, positions, meta, self.kv_cache, argmax=argmax)
         return logits[: len(rows)]
 
     # ---- the one-sequence reference path ----

@@ -354,6 +354,7 @@ static void q8_chunk(void *arg, int chunk) {
     const xrows x = rows_of(j->qx, j->k);
     const int start = chunk * ROWS_PER_CHUNK;
     const int end = (chunk + 1) * ROWS_PER_CHUNK < j->n ? (chunk + 1) * ROWS_PER_CHUNK : j->n;
+    const int track = j->best != NULL; /* only the lm_head's greedy steps ask: the layers do not */
     float best[MAX_ROWS];
     int64_t best_at[MAX_ROWS];
     for (int o = start; o < end; o++) {
@@ -364,13 +365,13 @@ static void q8_chunk(void *arg, int chunk) {
         for (int r = 0; r < j->rows; r++) {
             const float v = out[r] * j->scales[o] + bo;
             j->y[(size_t)r * j->n + o] = v;
-            if (o == start || beats(v, best[r])) {
+            if (track && (o == start || beats(v, best[r]))) {
                 best[r] = v;
                 best_at[r] = o;
             }
         }
     }
-    if (j->best)
+    if (track)
         for (int r = 0; r < j->rows; r++) {
             j->best[(size_t)chunk * j->rows + r] = best[r];
             j->best_at[(size_t)chunk * j->rows + r] = best_at[r];

@@ -111,6 +111,10 @@ def parse_thermal_steps(text: str) -> list[tuple[float, float]]:
     return sorted(steps)
 
 
+# How many missed token slots a late step may still use (see `RateControl.pace`).
+CATCH_UP_TOKENS = 2
+
+
 class RateControl:
     def __init__(
         self,
@@ -155,8 +159,12 @@ class RateControl:
                 self._next_at = 0.0
                 return
             now = time.monotonic()
-            # tokens are spaced 1/cap apart; a step of k tokens waits for all k slots
-            start = max(now, self._next_at)
+            # tokens are spaced 1/cap apart; a step of k tokens waits for all k slots. A step
+            # that comes late (a sleep that overslept, a step descheduled on a busy machine)
+            # may take up to CATCH_UP_TOKENS slots it missed, so the rate holds at the cap
+            # instead of drifting below it by every delay; after a pause the slots missed are
+            # gone, so no window of T seconds holds more than cap * T + CATCH_UP_TOKENS + k.
+            start = max(now - CATCH_UP_TOKENS / cap, self._next_at)
             self._next_at = start + num_tokens / cap
             wait = self._next_at - now - 1.0 / cap
         if wait > 0:

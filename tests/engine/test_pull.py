@@ -138,3 +138,7 @@ def test_pulled_qwen25_coder_loads():
     assert ckpt.tensors["model.layers.0.self_attn.q_proj.bias"].shape == (896,)
     assert "<|im_start|>" in ckpt.tokenizer_config["chat_template"]
     assert ckpt.tokenizer_config["eos_token_ids"] == [151645, 151643]
+    # the file embeds no sampler settings: the authors' published ones come with the pull
+    assert (ckpt.sampling.temperature, ckpt.sampling.top_p, ckpt.sampling.top_k) == (0.7, 0.8, 20)
+    assert ckpt.sampling.repetition_penalty == 1.1
+    assert ckpt.sampling.source == "the model authors' generation_config.json"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from turbospark.backend import GenerationConfig
-from turbospark.sampling import apply_penalties, filter_logits, make_generator, sample
+from turbospark.sampling import DistinctIds, apply_penalties, filter_logits, make_generator, sample
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 
@@ -79,6 +79,23 @@ def test_logit_bias_and_penalties() -> None:
         logits.clone(), cfg(presence_penalty=0.5, frequency_penalty=0.25), [2, 2], [2, 2, 3]
     )
     assert out.tolist() == [2.0, -1.0, 0.5 - 0.5 - 0.5, 0.0 - 0.5 - 0.25]
+
+
+def test_distinct_ids_follow_a_growing_context() -> None:
+    distinct = DistinctIds()
+    context = [5, 3, 5, 9]
+    assert distinct.of(context).tolist() == [5, 3, 9]
+    context += [3, 1]  # a decode step or two: only the new ids are looked at
+    assert distinct.of(context).tolist() == [5, 3, 9, 1]
+    assert distinct.of([7, 7]).tolist() == [7]  # a list that did not grow: counted afresh
+    # the penalty reads the same set whether the caller keeps the ids or not
+    logits = torch.tensor([2.0, -1.0, 0.5, 0.0, 1.0, 3.0, -2.0, 0.25, 1.5, -0.5])
+    context = [1, 4, 4, 8, 9]
+    kept = DistinctIds()
+    for end in range(1, len(context) + 1):
+        with_state = apply_penalties(logits.clone(), cfg(repetition_penalty=1.3), context[:end], [], kept)
+        without = apply_penalties(logits.clone(), cfg(repetition_penalty=1.3), context[:end], [])
+        assert torch.equal(with_state, without)
 
 
 def test_penalties_apply_before_greedy() -> None:

@@ -201,7 +201,10 @@ def load_checkpoint(
             path = next(path.glob("*.gguf"))
         from turbospark.engine.gguf_loader import load_gguf
 
-        return load_gguf(path, name=name, progress=progress, dtype=dtype)
+        ckpt = load_gguf(path, name=name, progress=progress, dtype=dtype)
+        if spec in pull.PULLABLE:
+            ckpt.sampling = ckpt.sampling.over(pull.PULLABLE[spec].sampling)
+        return ckpt
     from turbospark.engine.hf_loader import load_hf_folder
 
     return load_hf_folder(path, name=name, progress=progress, dtype=dtype)

@@ -15,9 +15,10 @@ import importlib
 import importlib.util
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from turbospark.backend import SamplingDefaults
 from turbospark.engine.checkpoint import ModelLoadError, ModelNotFound, cache_dir
 
 _READ_CHUNK = 8 << 20
@@ -32,6 +33,9 @@ class PullSpec:
     filename: str
     size: int
     sha256: str | None  # None: not recorded yet, the first pull records what it assembled
+    # the sampler settings the model's authors publish (its generation_config.json), where the
+    # GGUF conversion did not embed them as general.sampling.*; the file's own values win
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     def part_packages(self) -> list[str]:
         return [f"{self.package}{i}" for i in range(1, self.num_parts + 1)]
@@ -39,6 +43,18 @@ class PullSpec:
     def part_modules(self) -> list[str]:
         return [f"{self.module}{i}" for i in range(1, self.num_parts + 1)]
 
+
+# Qwen2.5-Coder-Instruct's generation_config.json (0.5B and 1.5B alike). These two GGUF files
+# carry no general.sampling.* keys, so without it the built-in temperature 1.0 and no repetition
+# penalty applied: in long agent sessions the 0.5B model then sometimes repeated itself until
+# the context was full (a 14,000-token turn seen under Claude Code, which sets no temperature).
+_QWEN25_CODER_SAMPLING = SamplingDefaults(
+    temperature=0.7,
+    top_p=0.8,
+    top_k=20,
+    repetition_penalty=1.1,
+    source="the model authors' generation_config.json",
+)
 
 PULLABLE: dict[str, PullSpec] = {
     # Qwen2.5-Coder-0.5B-Instruct Q4_K_M (llama.cpp conversion, qwen2 architecture)
@@ -50,6 +66,7 @@ PULLABLE: dict[str, PullSpec] = {
         filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         size=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        sampling=_QWEN25_CODER_SAMPLING,
     ),
     # Qwen2.5-Coder-1.5B-Instruct Q4_K_M
     "qwen2.5-coder:1.5b": PullSpec(
@@ -60,6 +77,7 @@ PULLABLE: dict[str, PullSpec] = {
         filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
         size=1_117_320_768,
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        sampling=_QWEN25_CODER_SAMPLING,
     ),
 }
 

@@ -25,6 +25,7 @@ from turbospark.backend import (
     Outbox,
     TokenEvent,
 )
+from turbospark.sampling import DistinctIds
 
 
 class SequenceStatus(Enum):
@@ -66,6 +67,7 @@ class Sequence:
     last_token_time: float | None = None
     # TokenEvent ... then CompletionResult or SequenceFailed; the submitter's, or a queue
     outbox: Outbox = field(default_factory=queue.SimpleQueue[object])
+    distinct_ids: DistinctIds = field(default_factory=DistinctIds)  # for the repetition penalty
 
     @property
     def num_tokens(self) -> int:

@@ -266,3 +266,83 @@ def test_a_compiler_without_the_vnni_flags_still_builds_avx2s(tmp_path, monkeypa
     built = native.kernels.__wrapped__()  # uncached: a fresh build into tmp_path
     assert built is not None and not built.vnni
     assert built.path.parent == tmp_path / "kernels"
+
+
+def test_chunks_a_stalled_helper_holds_are_taken_over_with_the_same_results() -> None:
+    """A helper stopped in the middle of a chunk (descheduled on a busy machine) no longer holds
+    the call: the caller runs that chunk itself and the helper drops it. Here helpers sleep 3 ms
+    in every third chunk they take; every result equals the undisturbed pool's, bit for bit."""
+    assert kernels is not None
+    if torch.get_num_threads() < 2:
+        pytest.skip("one intra-op thread: no helpers")
+    torch.manual_seed(2)
+    q8, s8 = quantize_int8(torch.randn(2048, 512) * 0.05)
+    lin = Linear(512, 1024, bias=True)
+    lin.weight.data = torch.randn(1024, 512) * 0.05
+    assert lin.bias is not None
+    lin.bias.data = torch.randn(1024)
+    q4 = Int4Linear(lin, torch.float32, 32, native_rows=native.MAX_ROWS)
+    x = torch.randn(3, 512)
+    k_cache, v_cache = torch.randn(2, 2000, 64), torch.randn(2, 2000, 64)
+    q = torch.randn(2, 14, 64)
+    ids, offsets = torch.randperm(2000)[:1500], torch.tensor([0, 700, 1500])
+
+    def results() -> list[torch.Tensor]:
+        return [
+            kernels.q8_matmul(x, q8, s8, None),
+            *kernels.q8_matmul_argmax(x, q8, s8, torch.zeros(2048)),
+            q4(x),
+            kernels.decode_attention(q, k_cache, v_cache, ids, offsets, 0.125),
+        ]
+
+    expected = results()
+    before = kernels.lib.ts_pool_steals()
+    kernels.lib.ts_pool_test_stall(3_000_000)
+    try:
+        for _ in range(10):
+            for got, want in zip(results(), expected, strict=True):
+                assert torch.equal(got, want)
+    finally:
+        kernels.lib.ts_pool_test_stall(0)
+    assert kernels.lib.ts_pool_steals() > before
+    for got, want in zip(results(), expected, strict=True):  # the pool as before afterwards
+        assert torch.equal(got, want)
+    # turned off, the caller waits for the sleeping helper instead
+    assert kernels.lib.ts_pool_set_stealing(0) == 1
+    before = kernels.lib.ts_pool_steals()
+    kernels.lib.ts_pool_test_stall(1_000_000)
+    try:
+        for got, want in zip(results(), expected, strict=True):
+            assert torch.equal(got, want)
+    finally:
+        kernels.lib.ts_pool_test_stall(0)
+        kernels.lib.ts_pool_set_stealing(1)
+    assert kernels.lib.ts_pool_steals() == before
+
+
+def test_taking_over_chunks_can_be_turned_off() -> None:
+    script = """
+import torch
+from turbospark.engine import native
+from turbospark.engine.quant import quantize_int8
+k = native.kernels()
+torch.set_num_threads(2)
+q, s = quantize_int8(torch.randn(2048, 512))
+x = torch.randn(2, 512)
+want = k.q8_matmul(x, q, s, None)
+k.lib.ts_pool_test_stall(1_000_000)
+assert all(torch.equal(k.q8_matmul(x, q, s, None), want) for _ in range(3))
+print(k.lib.ts_pool_steals())
+"""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "TURBOSPARK_POOL_STEAL": "0"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "0"  # the caller waited for the sleeping helper instead

@@ -129,3 +129,23 @@ def test_greedy_steps_take_the_argmax_the_lm_head_found(monkeypatch: pytest.Monk
     sampled = backend.run_completion(prompt, greedy(16), None, threading.Event(), lambda _: None)
     assert sampled.token_ids == fused.token_ids
     backend.engine.stop(wait=5)
+
+
+def test_a_step_whose_helper_stalls_gives_the_same_logits() -> None:
+    """Whole decode steps with the pool's helpers stopping 2 ms in every third chunk they take:
+    the chunks are taken over, and the logits equal an undisturbed run's, bit for bit."""
+    kernels = native.kernels()
+    assert kernels is not None
+    if torch.get_num_threads() < 2:
+        pytest.skip("one intra-op thread: no helpers")
+    cfg, tensors, _ = checkpoint(FAMILIES["qwen2"])
+    model = build_model(cfg, tensors, "cpu", torch.float32, quant="int8")
+    expected = decode_logits(model, torch.float16)
+    before = kernels.lib.ts_pool_steals()
+    kernels.lib.ts_pool_test_stall(2_000_000)
+    try:
+        stalled = decode_logits(model, torch.float16)
+    finally:
+        kernels.lib.ts_pool_test_stall(0)
+    assert torch.equal(stalled, expected)
+    assert kernels.lib.ts_pool_steals() > before

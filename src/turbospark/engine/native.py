@@ -316,6 +316,12 @@ def _load(path: Path, vnni: bool = False) -> Kernels:
     # (model description, rows, x, cos, sin, write slots, slot ids, offsets, out, threads)
     lib.ts_decode_step.argtypes = [_P, _I, _P, _P, _P, _P, _P, _P, _P, _I]
     lib.ts_decode_step.restype = _I
+    lib.ts_pool_steals.argtypes = []
+    lib.ts_pool_steals.restype = ctypes.c_long
+    lib.ts_pool_set_stealing.argtypes = [_I]
+    lib.ts_pool_set_stealing.restype = _I
+    lib.ts_pool_test_stall.argtypes = [_I]
+    lib.ts_pool_test_stall.restype = None
     return Kernels(lib, path, vnni)
 
 

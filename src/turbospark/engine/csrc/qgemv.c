@@ -21,14 +21,29 @@
  * went from ~30 ms to 500+ ms on a shared 2-core machine. Here work is cut into chunks that
  * threads claim from a shared counter; the caller claims too, and waits only for chunks another
  * thread has actually started. A helper that is not scheduled claims nothing and costs nothing.
+ * A helper descheduled in the middle of a chunk (the event loop or the client woke on its core)
+ * would still hold the step until it ran again; so when the caller has nothing left to claim
+ * and a helper has sat on one chunk for STEAL_AFTER_NS, the caller takes that chunk over: it
+ * marks it stolen, signals the helper, and runs the chunk itself. Chunks only write their own
+ * outputs, computed the same way by any thread, so a helper that finishes the chunk anyway
+ * writes the same values. A helper that has not finished abandons it: the signal is delivered
+ * before it runs another instruction of its own (a descheduled thread takes pending signals as
+ * it comes back to user mode), and its handler jumps back to the helper's loop. The caller
+ * leaves the job once the helper acknowledged, or after ABORT_WAIT_NS without an acknowledgement
+ * (the helper is not running, and will abandon the chunk before touching anything).
  */
 #include <immintrin.h>
 #include <math.h>
 #include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #define QK 32
 #define MAX_ROWS 8
@@ -106,7 +121,11 @@ static void release(quantized *qx) {
 /* ---- the work-claiming pool ---- */
 
 #define MAX_HELPERS 63
-#define SPIN_NS 200000 /* a helper spins this long for the next job before it sleeps */
+#define SPIN_NS 200000        /* a helper spins this long for the next job before it sleeps */
+#define STEAL_AFTER_NS 30000  /* a chunk takes a few microseconds: one held this long is stalled */
+#define ABORT_WAIT_NS 50000   /* how long a running helper may take to see the abort signal */
+#define SLOT_IDLE UINT64_MAX
+#define SLOT_STOLEN (UINT64_MAX - 1)
 
 typedef void (*chunk_fn)(void *ctx, int chunk);
 
@@ -123,28 +142,98 @@ static struct {
     int chunks;
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, NULL, NULL, 0};
 
+/* one per helper: the chunk it runs, so the caller can take it over */
+typedef struct {
+    _Alignas(64) atomic_uint_fast64_t running; /* generation << 32 | chunk, SLOT_IDLE or SLOT_STOLEN */
+    atomic_int tid;
+    sigjmp_buf resume; /* where the abort signal's handler sends a helper whose chunk was taken */
+} helper_slot;
+
+static helper_slot slots[MAX_HELPERS];
+static int abort_signal;      /* 0: the signal already had a handler, chunks are never taken over */
+static atomic_int stealing = 1; /* chunks may be taken over (TURBOSPARK_POOL_STEAL=0 starts it off) */
+static atomic_long num_steals; /* chunks the caller took over, for tests and diagnostics */
+static atomic_int stall_test_ns; /* tests only: helpers sleep this long in every third chunk */
+
 static uint64_t now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
 }
 
-/* claims and runs chunks of job `gen` until none is left (or the job is another one) */
-static void run_chunks(uint32_t gen, chunk_fn fn, void *ctx, int chunks) {
+static void on_abort(int sig) {
+    (void)sig;
+    const int tid = (int)syscall(SYS_gettid);
+    for (int i = 0; i < MAX_HELPERS; i++) {
+        helper_slot *h = &slots[i];
+        if (atomic_load(&h->tid) != tid) continue;
+        uint_fast64_t stolen = SLOT_STOLEN;
+        /* the chunk this helper runs was taken over: drop it; else a late signal, ignored */
+        if (atomic_compare_exchange_strong(&h->running, &stolen, SLOT_IDLE)) siglongjmp(h->resume, 1);
+        return;
+    }
+}
+
+/* the abort signal's handler, once, unless the signal already has one or stealing is off */
+static void install_abort_signal(void) {
+    const char *env = getenv("TURBOSPARK_POOL_STEAL");
+    if (env && strcmp(env, "0") == 0) atomic_store(&stealing, 0);
+    const int sig = SIGRTMIN + 4;
+    struct sigaction old;
+    if (sig > SIGRTMAX || sigaction(sig, NULL, &old) != 0 || old.sa_handler != SIG_DFL) return;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_abort;
+    sa.sa_flags = SA_NODEFER; /* left by a jump, not a return: keep it unblocked */
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(sig, &sa, NULL) == 0) abort_signal = sig;
+}
+
+static void stall_for_test(int chunk) {
+    const int ns = atomic_load_explicit(&stall_test_ns, memory_order_relaxed);
+    if (ns > 0 && chunk % 3 == 0) {
+        struct timespec t = {0, ns};
+        nanosleep(&t, NULL);
+    }
+}
+
+/* claims and runs chunks of job `gen` until none is left (or the job is another one); `me` is
+ * the helper's slot, NULL for the caller */
+static void run_chunks(uint32_t gen, chunk_fn fn, void *ctx, int chunks, helper_slot *me) {
     for (;;) {
         uint64_t v = atomic_load_explicit(&pool.claim, memory_order_acquire);
         if ((uint32_t)(v >> 32) != gen || (int)(uint32_t)v >= chunks) return;
         if (!atomic_compare_exchange_weak_explicit(&pool.claim, &v, v + 1, memory_order_acq_rel,
                                                    memory_order_acquire))
             continue;
-        fn(ctx, (int)(uint32_t)v);
-        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+        const int chunk = (int)(uint32_t)v;
+        if (!me) {
+            fn(ctx, chunk);
+            atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+            continue;
+        }
+        atomic_store_explicit(&me->running, (uint64_t)gen << 32 | (uint32_t)chunk, memory_order_release);
+        stall_for_test(chunk);
+        fn(ctx, chunk);
+        /* taken over meanwhile: the caller counts it */
+        if (atomic_exchange_explicit(&me->running, SLOT_IDLE, memory_order_acq_rel) != SLOT_STOLEN)
+            atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
     }
 }
 
 static void *helper_main(void *arg) {
-    (void)arg;
-    uint32_t seen = (uint32_t)(atomic_load(&pool.claim) >> 32);
+    helper_slot *me = (helper_slot *)arg;
+    atomic_store(&me->running, SLOT_IDLE);
+    atomic_store(&me->tid, (int)syscall(SYS_gettid));
+    if (abort_signal) {
+        sigset_t set;
+        sigemptyset(&set);
+        sigaddset(&set, abort_signal);
+        pthread_sigmask(SIG_UNBLOCK, &set, NULL);
+    }
+    volatile uint32_t seen = (uint32_t)(atomic_load(&pool.claim) >> 32);
+    /* a chunk taken over lands here (from the abort handler): back to waiting for work */
+    sigsetjmp(me->resume, 0);
     for (;;) {
         uint64_t start = now_ns();
         uint32_t gen;
@@ -168,16 +257,38 @@ static void *helper_main(void *arg) {
         void *ctx = pool.ctx;
         int chunks = pool.chunks;
         pthread_mutex_unlock(&pool.lock);
-        run_chunks(gen, fn, ctx, chunks);
+        run_chunks(gen, fn, ctx, chunks, me);
     }
     return NULL;
+}
+
+/* the caller, with nothing left to claim: takes over every chunk of job `gen` a helper still
+ * holds, and counts each once it has run it */
+static void take_over_stalled(uint32_t gen, chunk_fn fn, void *ctx) {
+    for (int i = 0; i < pool.helpers; i++) {
+        helper_slot *h = &slots[i];
+        uint_fast64_t v = atomic_load_explicit(&h->running, memory_order_acquire);
+        if (v == SLOT_IDLE || v == SLOT_STOLEN || (uint32_t)(v >> 32) != gen) continue;
+        if (!atomic_compare_exchange_strong(&h->running, &v, SLOT_STOLEN)) continue; /* it finished */
+        syscall(SYS_tgkill, (int)getpid(), atomic_load(&h->tid), abort_signal);
+        fn(ctx, (int)(uint32_t)v);
+        atomic_fetch_add_explicit(&num_steals, 1, memory_order_relaxed);
+        /* a running helper acknowledges within microseconds (it finished, or its handler ran);
+         * one that does not is not running, and drops the chunk before it runs again */
+        const uint64_t sent = now_ns();
+        while (atomic_load_explicit(&h->running, memory_order_acquire) == SLOT_STOLEN &&
+               now_ns() - sent < ABORT_WAIT_NS)
+            _mm_pause();
+        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+    }
 }
 
 static pthread_mutex_t pool_owner = PTHREAD_MUTEX_INITIALIZER;
 
 /* runs fn(ctx, 0 .. chunks - 1) on up to `threads` threads, the caller one of them. The pool
  * serves one caller at a time (an engine thread); a second caller meanwhile (another model's
- * engine) runs its chunks on its own thread rather than wait */
+ * engine) runs its chunks on its own thread rather than wait. `fn` must write only outputs of
+ * its own chunk, the same whichever thread runs it (a chunk may run twice, see the top). */
 static void parallel_chunks(chunk_fn fn, void *ctx, int chunks, int threads) {
     if (threads > MAX_HELPERS + 1) threads = MAX_HELPERS + 1;
     if (threads <= 1 || chunks <= 1 || pthread_mutex_trylock(&pool_owner) != 0) {
@@ -185,9 +296,10 @@ static void parallel_chunks(chunk_fn fn, void *ctx, int chunks, int threads) {
         return;
     }
     pthread_mutex_lock(&pool.lock);
+    if (pool.helpers == 0) install_abort_signal();
     while (pool.helpers < threads - 1) {
         pthread_t t;
-        if (pthread_create(&t, NULL, helper_main, NULL) != 0) break;
+        if (pthread_create(&t, NULL, helper_main, &slots[pool.helpers]) != 0) break;
         pthread_detach(t);
         pool.helpers++;
     }
@@ -199,11 +311,33 @@ static void parallel_chunks(chunk_fn fn, void *ctx, int chunks, int threads) {
     atomic_store_explicit(&pool.claim, (uint64_t)gen << 32, memory_order_release);
     if (atomic_load(&pool.sleeping) > 0) pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
-    run_chunks(gen, fn, ctx, chunks);
-    /* every chunk is claimed; wait for those a helper is still running */
-    while (atomic_load_explicit(&pool.done, memory_order_acquire) < chunks) _mm_pause();
+    run_chunks(gen, fn, ctx, chunks, NULL);
+    /* every chunk is claimed; wait for those a helper is still running, and take over those
+     * it holds too long */
+    uint64_t waiting_since = 0;
+    int polls = 0;
+    while (atomic_load_explicit(&pool.done, memory_order_acquire) < chunks) {
+        _mm_pause();
+        if (!abort_signal || ++polls % 64 || !atomic_load_explicit(&stealing, memory_order_relaxed)) continue;
+        const uint64_t t = now_ns();
+        if (!waiting_since) {
+            waiting_since = t;
+        } else if (t - waiting_since > STEAL_AFTER_NS) {
+            take_over_stalled(gen, fn, ctx);
+            waiting_since = 0;
+        }
+    }
     pthread_mutex_unlock(&pool_owner);
 }
+
+/* chunks taken over from a stalled helper since the process started */
+long ts_pool_steals(void) { return atomic_load(&num_steals); }
+
+/* turns taking chunks over on (1) or off (0); returns the previous setting */
+int ts_pool_set_stealing(int on) { return atomic_exchange(&stealing, on ? 1 : 0); }
+
+/* tests only: helpers sleep `ns` in every third chunk they run (0: never) */
+void ts_pool_test_stall(int ns) { atomic_store(&stall_test_ns, ns); }
 
 #define INLINE static inline __attribute__((always_inline))
 

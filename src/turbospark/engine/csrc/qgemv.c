@@ -270,14 +270,15 @@ static void take_over_stalled(uint32_t gen, chunk_fn fn, void *ctx) {
         uint_fast64_t v = atomic_load_explicit(&h->running, memory_order_acquire);
         if (v == SLOT_IDLE || v == SLOT_STOLEN || (uint32_t)(v >> 32) != gen) continue;
         if (!atomic_compare_exchange_strong(&h->running, &v, SLOT_STOLEN)) continue; /* it finished */
-        syscall(SYS_tgkill, (int)getpid(), atomic_load(&h->tid), abort_signal);
+        const int signalled = syscall(SYS_tgkill, (int)getpid(), atomic_load(&h->tid), abort_signal) == 0;
         fn(ctx, (int)(uint32_t)v);
         atomic_fetch_add_explicit(&num_steals, 1, memory_order_relaxed);
         /* a running helper acknowledges within microseconds (it finished, or its handler ran);
-         * one that does not is not running, and drops the chunk before it runs again */
+         * one that does not is not running, and drops the chunk before it runs again. Without
+         * the signal (it could not be queued) the helper has to finish the chunk: wait for it */
         const uint64_t sent = now_ns();
         while (atomic_load_explicit(&h->running, memory_order_acquire) == SLOT_STOLEN &&
-               now_ns() - sent < ABORT_WAIT_NS)
+               (!signalled || now_ns() - sent < ABORT_WAIT_NS))
             _mm_pause();
         atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
     }

@@ -22,7 +22,7 @@ from turbospark.backend import (
     GenerationConfig,
     ProgressCallback,
 )
-from turbospark.sampling import make_generator, sample
+from turbospark.sampling import DistinctIds, make_generator, sample
 
 
 class LogitProducer(Protocol):
@@ -45,6 +45,7 @@ def run_decode_loop(
     generator = make_generator(config.seed)
     context = list(prompt_ids)
     generated: list[int] = []
+    distinct = DistinctIds()  # the context's distinct ids, grown token by token
     logits = producer.prefill(prompt_ids, cancel)
     prefilled = time.perf_counter()
     finish = FinishReason.LENGTH
@@ -57,7 +58,7 @@ def run_decode_loop(
             finish = FinishReason.CANCELLED
             break
         assert logits is not None
-        event = sample(logits, config, generator, context, generated)
+        event = sample(logits, config, generator, context, generated, distinct)
         if event.token_id in config.stop_token_ids:
             finish = FinishReason.STOP
             break

@@ -195,21 +195,23 @@ def sample(
     generator: torch.Generator,
     context_ids: Sequence[int],
     generated_ids: Sequence[int],
+    distinct: DistinctIds | None = None,
 ) -> TokenEvent:
     """Picks the next token from one sequence's raw logits (vocab,).
 
     `context_ids` is prompt + generated (for the repetition penalty); `generated_ids` is the
-    generated tail alone (for presence / frequency penalties and processors).
+    generated tail alone (for presence / frequency penalties and processors); `distinct`, kept
+    by the caller across a sequence's tokens, holds the context's distinct ids.
     """
     num_threads = torch.get_num_threads()
     if num_threads == 1 or logits.device.type != "cpu":
-        return _sample(logits, config, generator, context_ids, generated_ids)
+        return _sample(logits, config, generator, context_ids, generated_ids, distinct)
     # One intra-op thread (a per-thread setting, restored after): torch splits each op over a
     # 150k vocabulary across its threads, and on a busy 2-core machine every such op waits
     # ~10 ms for a descheduled thread; a t=0.8 draw measured 190 ms on 2 threads, 3 ms on 1.
     torch.set_num_threads(1)
     try:
-        return _sample(logits, config, generator, context_ids, generated_ids)
+        return _sample(logits, config, generator, context_ids, generated_ids, distinct)
     finally:
         torch.set_num_threads(num_threads)
 
@@ -348,9 +350,10 @@ def _sample(
     generator: torch.Generator,
     context_ids: Sequence[int],
     generated_ids: Sequence[int],
+    distinct: DistinctIds | None,
 ) -> TokenEvent:
     logits = logits.detach().to(torch.float32).clone()
-    apply_penalties(logits, config, context_ids, generated_ids)
+    apply_penalties(logits, config, context_ids, generated_ids, distinct)
     for proc in config.processors:
         proc(generated_ids, logits)
     if config.is_greedy:

@@ -174,7 +174,8 @@ static void on_abort(int sig) {
     }
 }
 
-/* the abort signal's handler, once, unless the signal already has one or stealing is off */
+/* the abort signal's handler, once, unless the signal already has one; reads
+ * TURBOSPARK_POOL_STEAL=0, which starts with taking chunks over turned off */
 static void install_abort_signal(void) {
     const char *env = getenv("TURBOSPARK_POOL_STEAL");
     if (env && strcmp(env, "0") == 0) atomic_store(&stealing, 0);
@@ -223,7 +224,6 @@ static void run_chunks(uint32_t gen, chunk_fn fn, void *ctx, int chunks, helper_
 
 static void *helper_main(void *arg) {
     helper_slot *me = (helper_slot *)arg;
-    atomic_store(&me->running, SLOT_IDLE);
     atomic_store(&me->tid, (int)syscall(SYS_gettid));
     if (abort_signal) {
         sigset_t set;
@@ -300,6 +300,7 @@ static void parallel_chunks(chunk_fn fn, void *ctx, int chunks, int threads) {
     if (pool.helpers == 0) install_abort_signal();
     while (pool.helpers < threads - 1) {
         pthread_t t;
+        atomic_store(&slots[pool.helpers].running, SLOT_IDLE); /* nothing to take over before it runs */
         if (pthread_create(&t, NULL, helper_main, &slots[pool.helpers]) != 0) break;
         pthread_detach(t);
         pool.helpers++;

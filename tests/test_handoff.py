@@ -48,3 +48,52 @@ def test_other_threads_are_not_held() -> None:
     done.set()
     thread.join()
     assert ran == ["free", "held"]
+
+
+def test_a_step_release_lets_wakeups_wait_for_the_next_release() -> None:
+    ran: list[str] = []
+
+    def patient() -> None:
+        if handoff.stepping() and "kept once" not in ran:
+            ran.append("kept once")
+            handoff.keep(patient)
+            return
+        ran.append("woke")
+
+    def engine_like() -> None:
+        handoff.hold()
+        handoff.wake(patient)
+        handoff.release_step()  # puts itself off
+        handoff.release(kept=False)  # the check after a forward leaves it kept
+        ran.append("after the forward")
+        handoff.release_step()  # the next step runs it
+        handoff.wake(patient)
+        handoff.release()  # outside a step it cannot keep itself: runs now
+        ran.append("end")
+
+    thread = threading.Thread(target=engine_like)
+    thread.start()
+    thread.join()
+    assert ran == ["kept once", "after the forward", "woke", "woke", "end"]
+
+
+def test_a_plain_release_runs_what_was_kept() -> None:
+    ran: list[str] = []
+    errors: list[BaseException] = []
+
+    def engine_like() -> None:
+        handoff.hold()
+        handoff.wake(lambda: handoff.keep(lambda: ran.append("kept")) if handoff.stepping() else None)
+        handoff.release_step()
+        assert ran == []
+        handoff.release()  # before an idle wait: nothing may stay behind
+        try:
+            handoff.keep(lambda: None)  # only a wake-up run by release_step may keep itself
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=engine_like)
+    thread.start()
+    thread.join()
+    assert ran == ["kept"]
+    assert len(errors) == 1

@@ -14,6 +14,12 @@ A thread opts in with `hold()`; from then on `wake(fn)` from that thread queues 
 `release()` runs what is queued. The holder calls `release()` before each long GIL-free call and
 before anything that may block (an idle wait, the decode-rate cap's sleep), so a wake-up is late
 by at most the Python between two such points. Other threads' `wake` calls run at once.
+
+Before a short GIL-free call that comes round again soon (one decode step) the holder calls
+`release_step()` instead: a wake-up run there may put itself off to the next release with
+`keep(fn)` (the event loop's mailbox does, to take two tokens per wake-up where a step is
+shorter than its gap). A plain `release()` runs kept wake-ups too, except with `kept=False`
+(the engine's check after each forward, which must not undo the put-off of the step it ends).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ def hold() -> None:
     """From now on this thread's `wake` calls wait for its next `release`."""
     if getattr(_local, "held", None) is None:
         _local.held = []
+        _local.kept = []
+        _local.stepping = False
 
 
 def wake(fn: Callable[[], None]) -> None:
@@ -39,8 +47,37 @@ def wake(fn: Callable[[], None]) -> None:
         held.append(fn)
 
 
-def release() -> None:
-    """Runs the wake-ups this thread holds, in the order they came."""
+def release(*, kept: bool = True) -> None:
+    """Runs the wake-ups this thread holds, in the order they came (those put off with `keep`
+    first, unless `kept` is False)."""
     held: list[Callable[[], None]] | None = getattr(_local, "held", None)
+    if held is None:
+        return
+    if kept and _local.kept:
+        held[:0] = _local.kept
+        _local.kept = []
     while held:
         held.pop(0)()
+
+
+def release_step() -> None:
+    """`release()` before one short step: a wake-up run here may `keep` itself for the next."""
+    if getattr(_local, "held", None) is None:
+        return
+    _local.stepping = True
+    try:
+        release()
+    finally:
+        _local.stepping = False
+
+
+def stepping() -> bool:
+    """Whether this thread is in `release_step` (a wake-up run now may `keep` itself)."""
+    return bool(getattr(_local, "stepping", False))
+
+
+def keep(fn: Callable[[], None]) -> None:
+    """From a wake-up run by `release_step`: run `fn` at this thread's next release instead."""
+    if not stepping():
+        raise RuntimeError("handoff.keep outside release_step")
+    _local.kept.append(fn)

@@ -9,18 +9,28 @@ import dataclasses
 import gc
 import sys
 import threading
+import time
 
 import pytest
 from test_backend import WORDS, backend, word_tokenizer
 from tiny_models import FAMILIES, checkpoint
 
-from turbospark import generate
+from turbospark import generate, handoff
+from turbospark.backend import TokenEvent
 from turbospark.engine import native
 from turbospark.engine.backend import RealChatModel
 from turbospark.engine.cpu_kernels import cpu_kernels
 from turbospark.engine.models import build_model
 from turbospark.errors import ApiError
-from turbospark.events import Event, Finish, TextDelta
+from turbospark.events import (
+    Event,
+    Finish,
+    ReasoningDelta,
+    TextDelta,
+    TokenLogprob,
+    ToolCallArgs,
+    ToolCallStart,
+)
 from turbospark.generate import run_choice, stream_choice
 from turbospark.plan import Plan, make_plan
 from turbospark.registry import ModelRegistry
@@ -36,6 +46,24 @@ def registry() -> ModelRegistry:
     return registry
 
 
+native_only = pytest.mark.skipif(
+    native.kernels() is None or not cpu_kernels().native_rows,
+    reason="the CPU profile does not run the native decode step here",
+)
+
+
+def native_registry() -> ModelRegistry:
+    """The tiny llama in int4, which decodes through the native step (`handoff.release_step`)."""
+    cfg, tensors, _ = checkpoint(FAMILIES["llama"], seed=0, init_std=1.0)
+    model = RealChatModel(
+        "tiny-llama", build_model(cfg, tensors, quant="int4"), word_tokenizer(), max_context=200
+    )
+    assert model.runner.model.native_decoder() is not None
+    own = ModelRegistry()
+    own.add(model)
+    return own
+
+
 def plan(registry: ModelRegistry, prompt: str = PROMPT, **fields: object) -> Plan:
     request = ChatRequest(
         model="tiny-llama",
@@ -49,7 +77,8 @@ def plan(registry: ModelRegistry, prompt: str = PROMPT, **fields: object) -> Pla
 
 def comparable(events: list[Event]) -> list[Event]:
     """Events with the finish's timings and prefix-cache hits zeroed (a second run of a prompt
-    finds it cached; two runs differ in nothing else)."""
+    finds it cached; two runs differ in nothing else), and each run of text deltas joined (the
+    direct path sends tokens that waited together as one)."""
     return [
         dataclasses.replace(
             e,
@@ -59,7 +88,7 @@ def comparable(events: list[Event]) -> list[Event]:
         )
         if isinstance(e, Finish)
         else e
-        for e in events
+        for e in generate._merged(events)
     ]
 
 
@@ -163,6 +192,112 @@ def test_the_mailbox_keeps_order_and_coalesces_wakeups() -> None:
     assert 1 <= wakeups < 1000  # posts that found a drain pending woke nobody
 
 
+def test_the_mailbox_puts_a_lone_token_off_to_the_next_step_within_its_gap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tokens posted less than WAKE_GAP_SECONDS after the last wake-up wait for the next step's
+    release; anything else (a result) and every plain release wake the loop at once."""
+    monkeypatch.setattr(generate, "WAKE_GAP_SECONDS", 3600.0)  # the gap is never over by itself
+
+    async def main() -> tuple[list[object], list[tuple[int, int]]]:
+        loop = asyncio.get_running_loop()
+        box = generate._Mailbox(loop)
+        wakeups = 0
+        schedule = loop.call_soon_threadsafe
+
+        def counting(*args):  # type: ignore[no-untyped-def]
+            nonlocal wakeups
+            wakeups += 1
+            return schedule(*args)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        got: list[object] = []
+        seen: list[tuple[int, int]] = []  # (wake-ups, items taken) after each scripted step
+
+        def take(item: object) -> None:
+            got.append(item)
+
+        def settled(count: int) -> None:  # waits for the loop to take `count` items in all
+            deadline = time.monotonic() + 10
+            while len(got) < count and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.02)  # and for anything more it should not take
+            seen.append((wakeups, len(got)))
+
+        def engine_like() -> None:
+            handoff.hold()
+            box.post(take, TokenEvent(1))
+            handoff.release_step()  # the first token: long since the last wake-up
+            settled(1)
+            box.post(take, TokenEvent(2))
+            handoff.release_step()  # within the gap, tokens only: kept
+            handoff.release(kept=False)
+            settled(1)
+            box.post(take, TokenEvent(3))
+            box._last_wake -= 2 * generate.WAKE_GAP_SECONDS  # the gap has passed
+            handoff.release_step()  # 2 and 3 in one wake-up
+            settled(3)
+            box.post(take, TokenEvent(4))
+            box.post(take, "the result")
+            handoff.release_step()  # not only tokens: at once
+            settled(5)
+            box.post(take, TokenEvent(5))
+            handoff.release_step()
+            settled(5)
+            handoff.release()  # the engine goes idle: the kept token goes out
+            settled(6)
+
+        thread = threading.Thread(target=engine_like)
+        thread.start()
+        while thread.is_alive():
+            await asyncio.sleep(0.001)
+        return got, seen
+
+    got, seen = asyncio.run(main())
+    assert got == [TokenEvent(1), TokenEvent(2), TokenEvent(3), TokenEvent(4), "the result", TokenEvent(5)]
+    assert seen == [(1, 1), (1, 1), (2, 3), (3, 5), (3, 5), (4, 6)]
+
+
+def test_runs_of_deltas_are_joined_and_nothing_else() -> None:
+    lp = [TokenLogprob("a", 1, -0.5)], [TokenLogprob("b", 2, -1.5)]
+    call = ToolCallStart(0, "call_1", "f")
+    events: list[Event] = [
+        TextDelta("a", lp[0]),
+        TextDelta("b"),
+        TextDelta("c", lp[1]),
+        ReasoningDelta("x"),
+        ReasoningDelta("y"),
+        call,
+        ToolCallArgs(0, "{"),
+        ToolCallArgs(0, "}"),
+        TextDelta("d"),
+        TextDelta("e"),
+    ]
+    assert generate._merged(events) == [
+        TextDelta("abc", [*lp[0], *lp[1]]),
+        ReasoningDelta("xy"),
+        call,
+        ToolCallArgs(0, "{"),
+        ToolCallArgs(0, "}"),
+        TextDelta("de"),
+    ]
+    assert generate._merged([TextDelta("a")]) == [TextDelta("a")]
+
+
+@native_only
+def test_a_fast_stream_sends_tokens_that_waited_together_as_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a gap longer than the whole reply, the first token wakes the loop and every later
+    one waits for the result: two text events at most, the same text as the thread path."""
+    monkeypatch.setattr(generate, "WAKE_GAP_SECONDS", 3600.0)
+    own = native_registry()
+    events = asyncio.run(run_choice(plan(own, max_tokens=12)))
+    deltas = [e for e in events if isinstance(e, TextDelta)]
+    assert 1 <= len(deltas) <= 2
+    finish = events[-1]
+    assert isinstance(finish, Finish) and finish.usage.completion_tokens == 12
+    assert text_of(events) == text_of(through_threads(monkeypatch, plan(own, max_tokens=12)))
+
+
 def test_a_finished_loop_leaves_no_mailbox_behind() -> None:
     async def one() -> None:
         generate._mailbox(asyncio.get_running_loop())
@@ -201,26 +336,20 @@ def test_a_dead_engine_fails_the_stream_instead_of_hanging(monkeypatch: pytest.M
     assert not engine.alive()
 
 
-@pytest.mark.skipif(
-    native.kernels() is None or not cpu_kernels().native_rows,
-    reason="the CPU profile does not run the native decode step here",
-)
+@native_only
 def test_tokens_wake_the_loop_as_the_next_forward_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine thread holds a step's wake-up until it enters the next native decode step (or
     goes idle): never while it still runs Python the loop would take the GIL from."""
-    cfg, tensors, _ = checkpoint(FAMILIES["llama"], seed=0, init_std=1.0)
-    model = RealChatModel(
-        "tiny-llama", build_model(cfg, tensors, quant="int4"), word_tokenizer(), max_context=200
-    )
-    assert model.runner.model.native_decoder() is not None
-    own = ModelRegistry()
-    own.add(model)
+    own = native_registry()
     woken_from: list[str] = []
     wake = generate._Mailbox._wake
 
     def recording(self: generate._Mailbox) -> None:
-        # _wake <- handoff.release <- the place that released
-        woken_from.append(sys._getframe(2).f_code.co_qualname)
+        # _wake <- handoff's release (through release_step) <- the place that released
+        frame = sys._getframe(1)
+        while frame.f_code.co_filename == handoff.__file__:
+            frame = frame.f_back  # type: ignore[assignment]
+        woken_from.append(frame.f_code.co_qualname)
         wake(self)
 
     monkeypatch.setattr(generate._Mailbox, "_wake", recording)

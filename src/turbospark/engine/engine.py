@@ -268,7 +268,7 @@ class Engine:
                         self.scheduler.fail(seq, exc)
             return 0
         finally:
-            handoff.release()
+            handoff.release(kept=False)
         forward_done = time.perf_counter()
         if greedy_ids is not None:
             events: list[TokenEvent | Exception] = [TokenEvent(token_id=t) for t in greedy_ids]

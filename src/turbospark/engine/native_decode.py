@@ -224,7 +224,7 @@ class NativeDecoder:
         model.num_slots = kv_cache.k.shape[2]
         model.kv_f16 = int(kv_cache.k.dtype == torch.float16)
         out = torch.empty(rows, self.hidden, dtype=torch.float32)
-        handoff.release()  # the event loop's wake-ups: it runs while this call holds no GIL
+        handoff.release_step()  # the event loop's wake-ups: it runs while this call holds no GIL
         rc = self.kernels.lib.ts_decode_step(
             ctypes.byref(model),
             rows,

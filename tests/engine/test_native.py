@@ -299,9 +299,14 @@ def test_chunks_a_stalled_helper_holds_are_taken_over_with_the_same_results() ->
     before = kernels.lib.ts_pool_steals()
     kernels.lib.ts_pool_test_stall(3_000_000)
     try:
-        for _ in range(10):
+        # at least 10 rounds, and on until a helper has been taken over: whether a helper wins a
+        # chunk before the caller has claimed them all is up to the scheduler (a CI run once
+        # saw none in 10 rounds)
+        for rounds in range(1, 301):
             for got, want in zip(results(), expected, strict=True):
                 assert torch.equal(got, want)
+            if rounds >= 10 and kernels.lib.ts_pool_steals() > before:
+                break
     finally:
         kernels.lib.ts_pool_test_stall(0)
     assert kernels.lib.ts_pool_steals() > before

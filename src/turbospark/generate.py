@@ -35,8 +35,9 @@ _DONE = object()
 ENGINE_CHECK_SECONDS = 1.0  # how often a quiet direct-path stream checks that the engine runs
 # Decode steps shorter than this wake the event loop every other step: each wake-up then
 # carries two tokens per stream, sent as one chunk (`_merged`), which halves what the loop and
-# the client spend per token on cores the engine's threads fill. No token waits more than one
-# step, the first token of a reply goes out at once, and slower steps wake the loop each time.
+# the client spend per token on cores the engine's threads fill. No token waits longer than the
+# gap and one step, the first token of a reply goes out at once, and slower steps wake the loop
+# each time.
 WAKE_GAP_SECONDS = 0.010
 
 
@@ -221,7 +222,7 @@ class _Mailbox:
         now = time.monotonic()
         if handoff.stepping() and not self._urgent and now - self._last_wake < WAKE_GAP_SECONDS:
             # only tokens, and the loop was woken less than a gap ago: they wait for the next
-            # decode step (one step, under the gap) and go out with its tokens, in one chunk
+            # decode step and go out with its tokens, in one chunk
             handoff.keep(self._wake)
             return
         self._urgent = False

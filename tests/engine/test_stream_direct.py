@@ -156,19 +156,23 @@ def test_a_refused_prompt_is_an_api_error_before_any_event(registry) -> None:
     assert caught.value.status == 400 and "context" in str(caught.value)
 
 
+def counted_mailbox() -> tuple[generate._Mailbox, list[object]]:
+    """A mailbox on the running loop, and a list that grows by one at each of its wake-ups."""
+    loop = asyncio.get_running_loop()
+    wakeups: list[object] = []
+    schedule = loop.call_soon_threadsafe
+
+    def counting(*args):  # type: ignore[no-untyped-def]
+        wakeups.append(args[0])
+        return schedule(*args)
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    return generate._Mailbox(loop), wakeups
+
+
 def test_the_mailbox_keeps_order_and_coalesces_wakeups() -> None:
     async def main() -> tuple[list[object], int]:
-        loop = asyncio.get_running_loop()
-        box = generate._Mailbox(loop)
-        wakeups = 0
-        schedule = loop.call_soon_threadsafe
-
-        def counting(*args):  # type: ignore[no-untyped-def]
-            nonlocal wakeups
-            wakeups += 1
-            return schedule(*args)
-
-        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        box, wakeups = counted_mailbox()
         got: list[object] = []
         done = asyncio.Event()
 
@@ -185,7 +189,7 @@ def test_the_mailbox_keeps_order_and_coalesces_wakeups() -> None:
         thread.start()
         await asyncio.wait_for(done.wait(), 10)
         thread.join()
-        return got, wakeups
+        return got, len(wakeups)
 
     got, wakeups = asyncio.run(main())
     assert got == list(range(1000))
@@ -200,17 +204,7 @@ def test_the_mailbox_puts_a_lone_token_off_to_the_next_step_within_its_gap(
     monkeypatch.setattr(generate, "WAKE_GAP_SECONDS", 3600.0)  # the gap is never over by itself
 
     async def main() -> tuple[list[object], list[tuple[int, int]]]:
-        loop = asyncio.get_running_loop()
-        box = generate._Mailbox(loop)
-        wakeups = 0
-        schedule = loop.call_soon_threadsafe
-
-        def counting(*args):  # type: ignore[no-untyped-def]
-            nonlocal wakeups
-            wakeups += 1
-            return schedule(*args)
-
-        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        box, wakeups = counted_mailbox()
         got: list[object] = []
         seen: list[tuple[int, int]] = []  # (wake-ups, items taken) after each scripted step
 
@@ -222,7 +216,7 @@ def test_the_mailbox_puts_a_lone_token_off_to_the_next_step_within_its_gap(
             while len(got) < count and time.monotonic() < deadline:
                 time.sleep(0.001)
             time.sleep(0.02)  # and for anything more it should not take
-            seen.append((wakeups, len(got)))
+            seen.append((len(wakeups), len(got)))
 
         def engine_like() -> None:
             handoff.hold()

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from turbospark.backend import GenerationConfig
-from turbospark.sampling import DistinctIds, apply_penalties, filter_logits, make_generator, sample
+from turbospark.sampling import (
+    DistinctIds,
+    apply_penalties,
+    filter_logits,
+    make_generator,
+    sample,
+    truncate_rows,
+)
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 
@@ -223,3 +230,30 @@ def test_sample_runs_on_one_thread_and_restores_the_count() -> None:
         assert set(seen) == {1}
     finally:
         torch.set_num_threads(before)
+
+
+def test_truncate_rows_keeps_what_filter_logits_keeps_row_by_row() -> None:
+    """The batched truncation (the GPU sampler's) against the one-row statement, on rows that
+    each mix the filters differently, including rows with none and one with no top-k (the
+    whole vocabulary sorted)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 500
+    configs = [
+        cfg(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05),
+        cfg(temperature=1.0, top_k=5),
+        cfg(temperature=1.3, top_p=0.5),
+        cfg(temperature=0.9, min_p=0.2),
+        cfg(temperature=1.0),
+        cfg(temperature=0.5, top_k=300, top_p=0.9),
+    ]
+    logits = torch.randn(len(configs), vocab, generator=gen) * 3
+    for subset in (configs, configs[:2], [configs[1], configs[4]]):
+        rows = logits[: len(subset)]
+        values, ids = truncate_rows(rows, subset)
+        for r, c in enumerate(subset):
+            want = filter_logits(rows[r], c)
+            got = torch.full((vocab,), float("-inf"))
+            got[ids[r]] = values[r]
+            assert kept(got) == kept(want), c
+            finite = want != float("-inf")
+            assert torch.allclose(got[finite], want[finite])

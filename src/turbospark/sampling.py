@@ -295,7 +295,7 @@ def _sample_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Tok
 
 def argmax_only(rows: Sequence[SamplingRow]) -> bool:
     """Every row's token is its logits' argmax, with nothing edited first or reported beside
-    it: the ids are all that is needed (`ModelRunner.execute_greedy` may have them already)."""
+    it: the ids are all that is needed (a runner asked with `want_ids` may have them already)."""
     return all(r.config.is_greedy and r.config.num_top_logprobs is None and not _edits(r) for r in rows)
 
 

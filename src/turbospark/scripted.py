@@ -38,7 +38,7 @@ from turbospark.backend import (
     RequestImage,
 )
 from turbospark.chat_template import CHATML_TEMPLATE
-from turbospark.engine.engine import Engine
+from turbospark.engine.engine import Engine, StepOutput
 from turbospark.engine.kv_cache import BlockManager
 from turbospark.engine.scheduler import Scheduler, SchedulerConfig
 from turbospark.ratecontrol import RateControl
@@ -112,7 +112,7 @@ class ReplayRunner:
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, *, want_ids: bool = False) -> StepOutput:
         cost = 0.0
         for seq, n in zip(batch.seqs, batch.num_new, strict=True):
             fed_prompt = min(n, max(0, seq.num_prompt_tokens - seq.num_computed_tokens))
@@ -127,7 +127,7 @@ class ReplayRunner:
             logits[i, (token + 1) % self._vocab_size] = -30.0
             logits[i, (token + 2) % self._vocab_size] = -31.0
             logits[i, token] = 0.0
-        return logits
+        return StepOutput(logits)
 
 
 class ScriptedChatModel(BackendDefaults):

@@ -8,11 +8,10 @@ import threading
 import time
 
 import pytest
-import torch
 from tiny_models import FAMILIES, checkpoint
 
 from turbospark.backend import NEVER_CANCEL, FinishReason, GenerationConfig, TokenEvent
-from turbospark.engine.engine import Engine
+from turbospark.engine.engine import Engine, StepOutput
 from turbospark.engine.kv_cache import BlockManager
 from turbospark.engine.models import build_model
 from turbospark.engine.runner import ModelRunner
@@ -108,7 +107,7 @@ class CountingReplay(ReplayRunner):
         self.scheduler = scheduler
         self.steps: list[ScheduledBatch] = []
 
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, *, want_ids: bool = False) -> StepOutput:
         if self.scheduler is not None:
             self.scheduler.check()
             assert batch.num_tokens <= self.scheduler.config.max_batched_tokens
@@ -178,7 +177,7 @@ def test_a_prompt_alone_takes_the_prefill_budget_and_never_stalls_a_decoding_str
     seen: list[tuple[bool, int]] = []  # (some sequence decodes in the step, tokens fed)
 
     class Recording(ReplayRunner):
-        def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        def execute(self, batch: ScheduledBatch, *, want_ids: bool = False) -> StepOutput:
             decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in batch.seqs)
             seen.append((decoding, batch.num_tokens))
             return super().execute(batch)
@@ -245,7 +244,7 @@ def test_64_concurrent_long_requests_all_complete_within_the_kv_budget() -> None
             self.inner = inner
             self.vocab_size = inner.vocab_size
 
-        def execute(self, batch):
+        def execute(self, batch, *, want_ids=False):
             nonlocal peak
             peak = max(peak, blocks.num_used_blocks)
             return self.inner.execute(batch)

@@ -30,11 +30,16 @@ def random_ids(n: int, seed: int, vocab: int = 320) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def decode_logits(model: torch.nn.Module, kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Logits of three sequences in gappy block tables: prompts, a mixed step, decode steps."""
+def decode_logits(
+    model: torch.nn.Module, kv_dtype: torch.dtype = torch.float32, *, native_step: bool = True
+) -> torch.Tensor:
+    """Logits of three sequences in gappy block tables: prompts, a mixed step, decode steps.
+    `native_step` off: the runner never takes the one-call step (the layer-by-layer path)."""
     runner = ModelRunner(
         model, max_context=96, max_num_seqs=3, block_size=4, enable_prefix_caching=False, kv_dtype=kv_dtype
     )
+    if not native_step:
+        runner._native = None
     taken = runner.block_manager.allocate(6)
     runner.block_manager.release(taken[::2])  # the first sequence gets blocks 0, 2, 4
     seqs = [SequenceState() for _ in range(3)]
@@ -58,7 +63,7 @@ def test_one_call_step_equals_the_layer_by_layer_path(
 ) -> None:
     cfg, tensors, _ = checkpoint(FAMILIES[family])
     model = build_model(cfg, tensors, "cpu", torch.float32, quant=quant)
-    assert model.native_decoder() is not None
+    assert NativeDecoder.build(model) is not None
     calls: list[int] = []
     run = NativeDecoder.run
 
@@ -69,8 +74,7 @@ def test_one_call_step_equals_the_layer_by_layer_path(
     monkeypatch.setattr(NativeDecoder, "run", counted)
     fused = decode_logits(model, kv_dtype)
     assert calls == [3] * 6 + [1]  # every all-decode step, none with a prompt in it
-    model._native = None  # the layer-by-layer path
-    layered = decode_logits(model, kv_dtype)
+    layered = decode_logits(model, kv_dtype, native_step=False)
     assert len(calls) == 7
     torch.testing.assert_close(fused, layered, atol=ATOL, rtol=0)
 
@@ -90,12 +94,12 @@ def test_float16_cache_stays_close_to_float32(family: str) -> None:
 
 def test_families_with_their_own_layer_code_keep_the_layer_path() -> None:
     cfg, tensors, _ = checkpoint(FAMILIES["qwen3"])  # q/k norms: not in the C step
-    assert build_model(cfg, tensors, "cpu", torch.float32, quant="int8").native_decoder() is None
+    assert NativeDecoder.build(build_model(cfg, tensors, "cpu", torch.float32, quant="int8")) is None
 
 
 def test_float_weights_keep_the_layer_path() -> None:
     cfg, tensors, _ = checkpoint(FAMILIES["llama"])
-    assert build_model(cfg, tensors, "cpu", torch.float32).native_decoder() is None
+    assert NativeDecoder.build(build_model(cfg, tensors, "cpu", torch.float32)) is None
 
 
 def test_greedy_steps_take_the_argmax_the_lm_head_found(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -111,23 +115,27 @@ def test_greedy_steps_take_the_argmax_the_lm_head_found(monkeypatch: pytest.Monk
     model = build_model(cfg, tensors, "cpu", torch.float32, quant="int4")
     backend = RealChatModel("tiny-llama", model, word_tokenizer(), max_context=200)
     found: list[list[int] | None] = []
-    execute_greedy = ModelRunner.execute_greedy
+    execute = ModelRunner.execute
 
-    def checked(self: ModelRunner, batch):  # type: ignore[no-untyped-def]
-        logits, ids = execute_greedy(self, batch)
-        if ids is not None:
-            assert ids == logits.numpy().argmax(axis=1).tolist()
-        found.append(ids)
-        return logits, ids
+    def checked(self: ModelRunner, batch, *, want_ids: bool = False):  # type: ignore[no-untyped-def]
+        out = execute(self, batch, want_ids=want_ids)
+        if out.token_ids is not None:
+            assert out.token_ids == out.logits.numpy().argmax(axis=1).tolist()
+        found.append(out.token_ids)
+        return out
 
-    monkeypatch.setattr(ModelRunner, "execute_greedy", checked)
+    monkeypatch.setattr(ModelRunner, "execute", checked)
     prompt = random_ids(9, seed=3)
     fused = backend.run_completion(prompt, greedy(16), None, threading.Event(), lambda _: None)
     assert len(fused.token_ids) == 16
     assert sum(ids is not None for ids in found) == 15  # every decode step; the prompt's is not
-    monkeypatch.setattr(ModelRunner, "execute_greedy", None)  # the engine samples from the logits
+    found.clear()
+    monkeypatch.setattr(  # the runner is never asked for ids: the engine samples from the logits
+        ModelRunner, "execute", lambda self, batch, *, want_ids=False: checked(self, batch)
+    )
     sampled = backend.run_completion(prompt, greedy(16), None, threading.Event(), lambda _: None)
     assert sampled.token_ids == fused.token_ids
+    assert found == [None] * 16
     backend.engine.stop(wait=5)
 
 

@@ -21,6 +21,7 @@ from turbospark.engine import native
 from turbospark.engine.backend import RealChatModel
 from turbospark.engine.cpu_kernels import cpu_kernels
 from turbospark.engine.models import build_model
+from turbospark.engine.native_decode import NativeDecoder
 from turbospark.errors import ApiError
 from turbospark.events import (
     Event,
@@ -58,7 +59,7 @@ def native_registry() -> ModelRegistry:
     model = RealChatModel(
         "tiny-llama", build_model(cfg, tensors, quant="int4"), word_tokenizer(), max_context=200
     )
-    assert model.runner.model.native_decoder() is not None
+    assert NativeDecoder.build(model.runner.model) is not None
     own = ModelRegistry()
     own.add(model)
     return own

@@ -124,8 +124,8 @@ def test_two_gloo_ranks_give_the_single_process_logits(folders: dict[str, Path],
         assert parallel.details().num_parameters == single.details().num_parameters
 
         def both(step: StepInputs) -> torch.Tensor:
-            want = single.runner.run_step(step)
-            got = group.run(step, parallel.runner.run_step)
+            want = single.runner.run_step(step).logits
+            got = group.run(step, parallel.runner.run_step).logits
             assert got.shape == want.shape == (len(step.sample_rows), cfg["vocab_size"])
             torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
             return want

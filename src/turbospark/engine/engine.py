@@ -21,6 +21,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -53,16 +54,26 @@ def _stop_engines() -> None:
         engine.stop(wait=5.0)
 
 
+@dataclass(slots=True)
+class StepOutput:
+    """What a runner's step gives back: `logits` (num_sampling, vocab) float32, one row per
+    sequence with `batch.samples[i]` set, in batch order; and, where the runner was asked for
+    them (`want_ids`) and found them on the way (a native lm_head writes each row's argmax with
+    its logits), every sampling row's argmax, so no sampler runs."""
+
+    logits: torch.Tensor
+    token_ids: list[int] | None = None
+
+
 class StepRunner(Protocol):
-    """Runs the model once over a scheduled batch. Returns logits (num_sampling, vocab) float32,
-    one row per sequence with `batch.samples[i]` set, in batch order. A runner may also offer
-    `execute_greedy(batch) -> (logits, ids | None)` (`ModelRunner`'s): the engine calls it for
-    steps whose sampling rows all take the argmax, and uses the ids when it gets them."""
+    """Runs the model once over a scheduled batch (`ModelRunner`; the scripted `ReplayRunner`;
+    `TensorParallelRunner`). `want_ids`: every sampling row takes its argmax, with nothing
+    edited or reported beside it, so the runner may return the ids it finds."""
 
     @property
     def vocab_size(self) -> int: ...
 
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor: ...
+    def execute(self, batch: ScheduledBatch, *, want_ids: bool = False) -> StepOutput: ...
 
 
 class Delivery:
@@ -121,6 +132,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.num_steps = 0
+        self._run_started = 0.0
         self.step_seconds = 0.0  # inside the model forward
         self.overhead_seconds = 0.0  # schedule + sample + bookkeeping
 
@@ -234,7 +246,7 @@ class Engine:
             handoff.release()
 
     def step(self) -> int:
-        """One engine step; returns the number of tokens handed out."""
+        """One engine step: schedule -> run -> sample -> post. Returns the tokens handed out."""
         started = time.perf_counter()
         with self._lock:
             batch = self.scheduler.schedule()
@@ -243,72 +255,48 @@ class Engine:
             handoff.release()
             time.sleep(0.001)  # everything left was cancelled, or waits for blocks
             return 0
-        scheduled_at = time.monotonic()
-        for seq in batch.seqs:
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = scheduled_at
-        sampling = [s for s, wants in zip(batch.seqs, batch.samples, strict=True) if wants]
-        # where every token is an argmax, the lm_head may find it as it writes the logits
-        execute_greedy = getattr(self.runner, "execute_greedy", None)
-        fused = sampling and execute_greedy is not None and argmax_only(sampling)
-        greedy_ids: list[int] | None = None
-        forward_started = time.perf_counter()
+        sampling = batch.sampling_seqs()
+        output = self._run(batch, want_ids=bool(sampling) and argmax_only(sampling))
+        if output is None:
+            return 0
+        ran = time.perf_counter()
+        if output.token_ids is not None:
+            events: list[TokenEvent | Exception] = [TokenEvent(token_id=t) for t in output.token_ids]
+        else:
+            events = sample_batch(output.logits, sampling)
+        with self._lock:
+            emitted = self.scheduler.post(batch, sampling, events, self.name)
+            self._export_gauges()
+        metrics.count_step(self.name, batch.num_tokens, emitted)
+        self.num_steps += 1
+        self.step_seconds += ran - self._run_started
+        self.overhead_seconds += (time.perf_counter() - started) - (ran - self._run_started)
+        self._pace(emitted)
+        return emitted
+
+    def _run(self, batch: ScheduledBatch, *, want_ids: bool) -> StepOutput | None:
+        """The forward; a failure fails the step's sequences (others go on) and gives None. The
+        runner releases the held wake-ups as it enters its long call; whatever path it took,
+        none stay held past it."""
+        self._run_started = time.perf_counter()
         try:
-            # the runner releases the held wake-ups as it enters its long call; whatever path
-            # it took, none stay held past the forward
-            if fused:
-                logits, greedy_ids = execute_greedy(batch)  # type: ignore[misc]
-            else:
-                logits = self.runner.execute(batch)
-        except Exception as exc:  # the whole step failed: its sequences fail, others go on
+            return self.runner.execute(batch, want_ids=want_ids)
+        except Exception as exc:
             log.exception("model step failed")
             with self._lock:
                 for seq in batch.seqs:
                     if seq.status is SequenceStatus.RUNNING:
                         self.scheduler.fail(seq, exc)
-            return 0
+            return None
         finally:
             handoff.release(kept=False)
-        forward_done = time.perf_counter()
-        if greedy_ids is not None:
-            events: list[TokenEvent | Exception] = [TokenEvent(token_id=t) for t in greedy_ids]
-        else:
-            events = sample_batch(logits, sampling)
-        now = time.monotonic()
-        emitted = 0
-        with self._lock:
-            self.scheduler.update(batch)
-            for seq, event in zip(sampling, events, strict=True):
-                if seq.status is not SequenceStatus.RUNNING:
-                    continue
-                if isinstance(event, BaseException):
-                    self.scheduler.fail(seq, event)
-                    continue
-                if event.token_id in seq.config.stop_token_ids:
-                    seq.last_token_time = now
-                    self.scheduler.finish(seq, FinishReason.STOP)
-                    continue
-                seq.token_ids.append(event.token_id)
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                    metrics.observe_first_token(self.name, now - seq.arrival_time)
-                else:
-                    metrics.observe_inter_token(self.name, now - (seq.last_token_time or now))
-                seq.last_token_time = now
-                seq.emit(event)
-                emitted += 1
-                if seq.num_generated >= seq.max_new_tokens:
-                    self.scheduler.finish(seq, FinishReason.LENGTH)
-            self._export_gauges()
-        metrics.count_step(self.name, batch.num_tokens, emitted)
-        self.num_steps += 1
-        self.step_seconds += forward_done - forward_started
-        self.overhead_seconds += (time.perf_counter() - started) - (forward_done - forward_started)
+
+    def _pace(self, emitted: int) -> None:
+        """The process-wide decode-rate cap: waits until `emitted` more tokens are allowed."""
         if self.rate is not None and emitted:
             if self.rate.cap() is not None:
                 handoff.release()  # the cap may sleep: these tokens go out first
             self.rate.pace(emitted)
-        return emitted
 
     def _export_gauges(self) -> None:
         s = self.scheduler

@@ -18,12 +18,12 @@ computes the same thing with the same kernels.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from turbospark import handoff
 from turbospark.engine import native
 from turbospark.engine.attention import AttentionMetadata, CpuAttention, decode_slot_ids
 
@@ -123,8 +123,14 @@ class NativeDecoder:
     """The model's layers as `ts_decode_step` reads them; `build` says whether they fit."""
 
     def __init__(
-        self, kernels: native.Kernels, model: _Model, layers: ctypes.Array[_Layer], max_rows: int
+        self,
+        kernels: native.Kernels,
+        model: _Model,
+        layers: ctypes.Array[_Layer],
+        max_rows: int,
+        lm: base.CausalLM,
     ) -> None:
+        self.lm = lm
         self.kernels = kernels
         self.model = model
         self.layers = layers  # kept: model.layers points into it
@@ -186,7 +192,7 @@ class NativeDecoder:
             float(config.rms_norm_eps),
             float(attn0.scale),
         )
-        return cls(kernels, model, descs, max_rows)
+        return cls(kernels, model, descs, max_rows, lm)
 
     def takes(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> bool:
         """Whether this step is one this decoder runs: all decodes, few rows, the CPU backend's
@@ -205,15 +211,39 @@ class NativeDecoder:
             and v.is_contiguous()
         )
 
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        on_enter: Callable[[], None],
+        *,
+        want_ids: bool,
+    ) -> tuple[torch.Tensor, list[int] | None]:
+        """The model's whole decode step: embeddings, this call, the lm_head. Returns logits
+        (rows, vocab) float32 and, with `want_ids` where the lm_head finds them as it writes the
+        logits (the native int8 lm_head), each row's argmax; else None."""
+        lm = self.lm
+        h = self.run(lm.model.embed_tokens(input_ids), lm.rotary(positions), meta, kv_cache, on_enter)
+        fused = getattr(lm.lm_head, "forward_argmax", None)
+        if want_ids and fused is not None:
+            logits, ids = fused(h)
+            return logits.float(), None if ids is None else ids.tolist()
+        return lm.lm_head(h).float(), None
+
     def run(
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         kv_cache: KVCache,
+        on_enter: Callable[[], None] = lambda: None,
     ) -> torch.Tensor:
         """x (rows, hidden) float32 token embeddings -> the final norm of the last hidden state;
-        the step's keys and values are written to the cache on the way."""
+        the step's keys and values are written to the cache on the way. `on_enter` runs just
+        before the C call, which holds no GIL (the runner lets the event loop's wake-ups go
+        there: the loop's Python runs while the step computes)."""
         rows = x.shape[0]
         x = x.float().contiguous()
         cos, sin = (t.reshape(rows, -1).float().contiguous() for t in rope)
@@ -224,7 +254,7 @@ class NativeDecoder:
         model.num_slots = kv_cache.k.shape[2]
         model.kv_f16 = int(kv_cache.k.dtype == torch.float16)
         out = torch.empty(rows, self.hidden, dtype=torch.float32)
-        handoff.release_step()  # the event loop's wake-ups: it runs while this call holds no GIL
+        on_enter()
         rc = self.kernels.lib.ts_decode_step(
             ctypes.byref(model),
             rows,

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from turbospark.engine.engine import StepOutput
 from turbospark.engine.runner import ModelRunner, StepInputs
 from turbospark.engine.tensor_parallel import Shard
 
@@ -299,7 +300,7 @@ class TensorParallelGroup:
             self.close()
             raise
 
-    def run(self, step: StepInputs, run_step: Callable[[StepInputs], torch.Tensor]) -> torch.Tensor:
+    def run(self, step: StepInputs, run_step: Callable[[StepInputs], StepOutput]) -> StepOutput:
         """Sends the step to every worker and runs rank 0's share of it."""
         with self._lock:
             if self.failure is not None or self._closed:
@@ -363,7 +364,7 @@ class TensorParallelRunner:
     def vocab_size(self) -> int:
         return self.runner.vocab_size
 
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, *, want_ids: bool = False) -> StepOutput:
         return self.group.run(self.runner.step_inputs(batch), self.runner.run_step)
 
 

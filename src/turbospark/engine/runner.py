@@ -14,20 +14,33 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from turbospark import handoff
 from turbospark.backend import CancelFlag, CompletionResult, GenerationConfig, ProgressCallback
 from turbospark.decode import run_decode_loop
-from turbospark.engine.attention import AttentionBackend, build_attention_metadata
+from turbospark.engine.attention import AttentionBackend, AttentionMetadata, build_attention_metadata
+from turbospark.engine.engine import StepOutput
 from turbospark.engine.kv_cache import BlockManager, KVCache
 from turbospark.engine.models import Model
+from turbospark.engine.models.base import CausalLM
+from turbospark.engine.native_decode import NativeDecoder
 
 if TYPE_CHECKING:
     from turbospark.engine.cuda_graphs import CudaGraphRunner
     from turbospark.engine.scheduler import ScheduledBatch
+
+
+class Wakeups(Protocol):
+    """Where the runner lets the engine thread's held event-loop wake-ups go
+    (`turbospark.handoff`, which the engine thread holds): before a long call that holds no
+    GIL, and, for a short one that comes round again soon (one decode step), `release_step`."""
+
+    def release(self) -> None: ...
+
+    def release_step(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -70,6 +83,7 @@ class ModelRunner:
         attention: AttentionBackend | None = None,
         enable_prefix_caching: bool = True,
         cuda_graphs: bool = True,
+        wakeups: Wakeups = handoff,
     ) -> None:
         """`num_blocks` sizes the KV cache (default: `max_num_seqs` full contexts). On CUDA the
         cache uses the Triton paged kernels (`CudaAttention`) and decode steps replay CUDA
@@ -107,6 +121,8 @@ class ModelRunner:
             max_blocks = (max_context + block_size - 1) // block_size
             self.graphs = CudaGraphRunner(model, self.kv_cache, max_blocks_per_seq=max_blocks)
         self._captured = False
+        self.wakeups = wakeups
+        self._native: NativeDecoder | bool | None = False
 
     @property
     def vocab_size(self) -> int:
@@ -125,25 +141,17 @@ class ModelRunner:
             sample_rows=[i for i, wants in enumerate(batch.samples) if wants],
         )
 
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """One forward over the step; logits (num_sampling, vocab) float32, batch order."""
-        return self.run_step(self.step_inputs(batch))
-
-    def execute_greedy(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int] | None]:
-        """`execute`, and each sampling row's argmax over its logits when the forward found them
-        on the way (a native decode step in which every sequence samples); else None. The engine
-        asks for it when every sampling row is an argmax-only greedy one."""
-        argmax: list[torch.Tensor] = []
-        step = self.step_inputs(batch)
-        logits = self.run_step(step, argmax)
-        if argmax and len(step.sample_rows) == len(step.num_new) == argmax[0].shape[0]:
-            return logits, argmax[0].tolist()
-        return logits, None
+    def execute(self, batch: ScheduledBatch, *, want_ids: bool = False) -> StepOutput:
+        """One forward over the step (see `engine.StepRunner`)."""
+        return self.run_step(self.step_inputs(batch), want_ids=want_ids)
 
     @torch.inference_mode()
-    def run_step(self, step: StepInputs, argmax: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """One forward over a step's inputs; logits (len(step.sample_rows), vocab) float32.
-        `argmax`: see `CausalLM.forward` (eager forwards only)."""
+    def run_step(self, step: StepInputs, *, want_ids: bool = False) -> StepOutput:
+        """One forward over a step's inputs, by one of three strategies: a CUDA graph replay
+        (decode-only steps on CUDA; others eager inside `CudaGraphRunner`), the CPU's one-call
+        native decode step (`NativeDecoder`, all-decode steps it takes), or the model's own
+        layer-by-layer forward. Each releases the held event-loop wake-ups as it enters its long
+        call, where the loop's Python runs beside it instead of contending for the GIL."""
         meta, positions = build_attention_metadata(
             step.block_tables, step.num_cached, step.num_new, self.kv_cache.block_size, self.device
         )
@@ -156,11 +164,33 @@ class ModelRunner:
             if not self._captured:
                 self.graphs.capture()  # seconds, once: on the engine thread, off the event loop
                 self._captured = True
-            handoff.release()  # the GPU runs the step: the event loop may run meanwhile
-            logits = self.graphs(input_ids, positions, meta)  # replays decode steps, else eager
-        else:
-            logits = self.model(input_ids, positions, meta, self.kv_cache, argmax=argmax)
-        return logits[: len(rows)]
+            self.wakeups.release()  # the GPU runs the step: the event loop may run meanwhile
+            return StepOutput(self.graphs(input_ids, positions, meta)[: len(rows)])
+        out = self._forward(input_ids, positions, meta, want_ids=want_ids)
+        out.logits = out.logits[: len(rows)]
+        return out
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, *, want_ids: bool
+    ) -> StepOutput:
+        """The eager forward: the native one-call decode step where it takes the step, else the
+        model's layer-by-layer forward."""
+        decoder = self._native_decoder()
+        if decoder is not None and decoder.takes(input_ids, meta, self.kv_cache):
+            on_enter = self.wakeups.release_step
+            logits, ids = decoder.step(input_ids, positions, meta, self.kv_cache, on_enter, want_ids=want_ids)
+            return StepOutput(logits, ids)
+        self.wakeups.release()  # layer by layer, torch lets the GIL go around every op
+        return StepOutput(self.model(input_ids, positions, meta, self.kv_cache))
+
+    def _native_decoder(self) -> NativeDecoder | None:
+        """The one-call native decode step, where the model's layers fit it (decided once, on
+        the first step: after the load has quantized and placed the weights)."""
+        if self._native is False:
+            model = self.model
+            on_cpu = self.device.type == "cpu" and isinstance(model, CausalLM)
+            self._native = NativeDecoder.build(model) if on_cpu and isinstance(model, CausalLM) else None
+        return self._native if isinstance(self._native, NativeDecoder) else None
 
     # ---- the one-sequence reference path ----
     def release(self, seq: SequenceState) -> None:
@@ -187,7 +217,7 @@ class ModelRunner:
             self.device,
         )
         input_ids = torch.tensor(flat_ids, dtype=torch.long, device=self.device)
-        logits = self.model(input_ids, positions, meta, self.kv_cache)
+        logits = self._forward(input_ids, positions, meta, want_ids=False).logits
         for seq, new_ids in batch:
             seq.num_cached += len(new_ids)
         return logits

@@ -22,10 +22,11 @@ and is the only place a sequence's status changes.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from turbospark.backend import FinishReason
+from turbospark.backend import FinishReason, TokenEvent
 from turbospark.engine.kv_cache import BlockManager
 from turbospark.engine.sequence import Sequence, SequenceFailed, SequenceStatus
 
@@ -70,6 +71,10 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new)
+
+    def sampling_seqs(self) -> list[Sequence]:
+        """The sequences that get a new token this step, in batch order (the logits' rows)."""
+        return [seq for seq, wants in zip(self.seqs, self.samples, strict=True) if wants]
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -176,6 +181,34 @@ class Scheduler:
                 seq.last_block_key,
             )
             seq.num_hashed_blocks, seq.last_block_key = hashed
+
+    def post(
+        self,
+        batch: ScheduledBatch,
+        sampling: list[Sequence],
+        events: list[TokenEvent | Exception],
+        model: str,
+    ) -> int:
+        """After a step's forward and sampling: the fed tokens are in the cache (`update`), and
+        each sampling sequence takes its event: a failure fails it, a stop token or its length
+        budget finishes it, a token goes to its outbox. Returns the tokens handed out."""
+        self.update(batch)
+        now = time.monotonic()
+        emitted = 0
+        for seq, event in zip(sampling, events, strict=True):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if isinstance(event, BaseException):
+                self.fail(seq, event)
+            elif event.token_id in seq.config.stop_token_ids:
+                seq.last_token_time = now
+                self.finish(seq, FinishReason.STOP)
+            else:
+                seq.append(event, now, model)
+                emitted += 1
+                if seq.num_generated >= seq.max_new_tokens:
+                    self.finish(seq, FinishReason.LENGTH)
+        return emitted
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Ends a sequence: its blocks go back, its result goes to its outbox."""

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from turbospark import metrics
 from turbospark.backend import (
     CancelFlag,
     CompletionResult,
@@ -82,6 +83,18 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     def emit(self, event: TokenEvent) -> None:
+        self.outbox.put(event)
+
+    def append(self, event: TokenEvent, now: float, model: str) -> None:
+        """A generated token: joins the ids, its timing is observed, and it leaves through the
+        outbox."""
+        self.token_ids.append(event.token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now
+            metrics.observe_first_token(model, now - self.arrival_time)
+        else:
+            metrics.observe_inter_token(model, now - (self.last_token_time or now))
+        self.last_token_time = now
         self.outbox.put(event)
 
     def result(self) -> CompletionResult:

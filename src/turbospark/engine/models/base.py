@@ -24,7 +24,6 @@ from typing import Any, Self
 import torch
 from torch import nn
 
-from turbospark import handoff
 from turbospark.engine import cuda_ops
 from turbospark.engine.attention import AttentionMetadata
 from turbospark.engine.kv_cache import KVCache, LayerCache
@@ -38,7 +37,6 @@ from turbospark.engine.layers import (
     fuse_linears,
     silu_and_mul,
 )
-from turbospark.engine.native_decode import NativeDecoder
 
 
 @dataclass(slots=True)
@@ -285,8 +283,6 @@ class CausalLM(nn.Module):
         self.model = Model(config, [layer_cls(config) for _ in range(config.num_hidden_layers)])
         self.lm_head: nn.Module = Linear(config.hidden_size, config.vocab_size)
         self.rotary = RotaryEmbedding(config, max_positions)
-        # the whole decode step as one native call, where the layers fit it (built on first use)
-        self._native: NativeDecoder | bool | None = False
 
     def checkpoint_names(self) -> list[str]:
         """Weight names this model loads from a checkpoint."""
@@ -304,38 +300,18 @@ class CausalLM(nn.Module):
             layer.self_attn.finalize(prepare)
             layer.mlp.finalize(prepare)
 
-    def native_decoder(self) -> NativeDecoder | None:
-        """The one-call native decode step when every layer fits it (decided once, after
-        `finalize`; see `native_decode`)."""
-        if self._native is False:
-            self._native = NativeDecoder.build(self)
-        return self._native if isinstance(self._native, NativeDecoder) else None
-
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: KVCache,
-        argmax: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: (num_tokens,) packed; returns logits (num_seqs, vocab) of each
-        sequence's last token. With `argmax` (a list) and a native step whose lm_head finds the
-        rows' argmax as it writes them, those ids (num_seqs,) int64 are appended to it."""
+        """input_ids, positions: (num_tokens,) packed; returns logits (num_seqs, vocab) float32
+        of each sequence's last token, layer by layer. (Whole-step shortcuts, the CPU's one-call
+        native decode and CUDA graph replay, are the runner's strategies.)"""
         x = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
         rope = self.rotary(positions)
-        decoder = self.native_decoder()
-        if decoder is not None and decoder.takes(input_ids, meta, kv_cache):
-            h = decoder.run(x, rope, meta, kv_cache)
-            fused = getattr(self.lm_head, "forward_argmax", None)
-            if argmax is not None and fused is not None:
-                logits, ids = fused(h)
-                if ids is not None:
-                    argmax.append(ids)
-                return logits.float()  # type: ignore[no-any-return]
-            return self.lm_head(h).float()  # type: ignore[no-any-return]
-        # layer by layer, torch lets the GIL go around every op: nothing to wait for
-        handoff.release()
         residual = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, rope, kv_cache.layer(i), meta)

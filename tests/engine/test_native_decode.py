@@ -58,7 +58,7 @@ def test_one_call_step_equals_the_layer_by_layer_path(
 ) -> None:
     cfg, tensors, _ = checkpoint(FAMILIES[family])
     model = build_model(cfg, tensors, "cpu", torch.float32, quant=quant)
-    assert model.native_decoder() is not None
+    assert NativeDecoder.build(model) is not None
     calls: list[int] = []
     run = NativeDecoder.run
 
@@ -69,7 +69,7 @@ def test_one_call_step_equals_the_layer_by_layer_path(
     monkeypatch.setattr(NativeDecoder, "run", counted)
     fused = decode_logits(model, kv_dtype)
     assert calls == [3] * 6 + [1]  # every all-decode step, none with a prompt in it
-    model._native = None  # the layer-by-layer path
+    monkeypatch.setattr(NativeDecoder, "build", classmethod(lambda cls, lm: None))  # the layer-by-layer path
     layered = decode_logits(model, kv_dtype)
     assert len(calls) == 7
     torch.testing.assert_close(fused, layered, atol=ATOL, rtol=0)
@@ -90,12 +90,12 @@ def test_float16_cache_stays_close_to_float32(family: str) -> None:
 
 def test_families_with_their_own_layer_code_keep_the_layer_path() -> None:
     cfg, tensors, _ = checkpoint(FAMILIES["qwen3"])  # q/k norms: not in the C step
-    assert build_model(cfg, tensors, "cpu", torch.float32, quant="int8").native_decoder() is None
+    assert NativeDecoder.build(build_model(cfg, tensors, "cpu", torch.float32, quant="int8")) is None
 
 
 def test_float_weights_keep_the_layer_path() -> None:
     cfg, tensors, _ = checkpoint(FAMILIES["llama"])
-    assert build_model(cfg, tensors, "cpu", torch.float32).native_decoder() is None
+    assert NativeDecoder.build(build_model(cfg, tensors, "cpu", torch.float32)) is None
 
 
 def test_greedy_steps_take_the_argmax_the_lm_head_found(monkeypatch: pytest.MonkeyPatch) -> None:

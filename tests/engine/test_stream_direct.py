@@ -58,7 +58,7 @@ def native_registry() -> ModelRegistry:
     model = RealChatModel(
         "tiny-llama", build_model(cfg, tensors, quant="int4"), word_tokenizer(), max_context=200
     )
-    assert model.runner.model.native_decoder() is not None
+    assert model.runner.model.whole_step is not None
     own = ModelRegistry()
     own.add(model)
     return own

@@ -24,6 +24,8 @@ from turbospark.decode import run_decode_loop
 from turbospark.engine.attention import AttentionBackend, build_attention_metadata
 from turbospark.engine.kv_cache import BlockManager, KVCache
 from turbospark.engine.models import Model
+from turbospark.engine.models.base import CausalLM
+from turbospark.engine.native_decode import NativeDecoder
 
 if TYPE_CHECKING:
     from turbospark.engine.cuda_graphs import CudaGraphRunner
@@ -77,6 +79,8 @@ class ModelRunner:
         cfg = model.config
         assert max_context <= model.max_positions, "the model's rotary table is shorter than max_context"
         self.model = model
+        if isinstance(model, CausalLM):  # the whole decode step in one native call, where it fits
+            model.whole_step = NativeDecoder.build(model)
         self.max_context = max_context
         self.prefill_chunk_size = prefill_chunk_size
         self.device = torch.device(device)

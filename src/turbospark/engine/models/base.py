@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
 import torch
 from torch import nn
@@ -38,7 +38,21 @@ from turbospark.engine.layers import (
     fuse_linears,
     silu_and_mul,
 )
-from turbospark.engine.native_decode import NativeDecoder
+
+
+class WholeStep(Protocol):
+    """A decode step over every layer in one call (`turbospark.engine.native_decode`), which the
+    runner hands a model whose layers fit one."""
+
+    def takes(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> bool: ...
+
+    def run(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -285,8 +299,8 @@ class CausalLM(nn.Module):
         self.model = Model(config, [layer_cls(config) for _ in range(config.num_hidden_layers)])
         self.lm_head: nn.Module = Linear(config.hidden_size, config.vocab_size)
         self.rotary = RotaryEmbedding(config, max_positions)
-        # the whole decode step as one native call, where the layers fit it (built on first use)
-        self._native: NativeDecoder | bool | None = False
+        # the whole decode step as one native call, where the layers fit it (set by the runner)
+        self.whole_step: WholeStep | None = None
 
     def checkpoint_names(self) -> list[str]:
         """Weight names this model loads from a checkpoint."""
@@ -304,13 +318,6 @@ class CausalLM(nn.Module):
             layer.self_attn.finalize(prepare)
             layer.mlp.finalize(prepare)
 
-    def native_decoder(self) -> NativeDecoder | None:
-        """The one-call native decode step when every layer fits it (decided once, after
-        `finalize`; see `native_decode`)."""
-        if self._native is False:
-            self._native = NativeDecoder.build(self)
-        return self._native if isinstance(self._native, NativeDecoder) else None
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -324,7 +331,7 @@ class CausalLM(nn.Module):
         rows' argmax as it writes them, those ids (num_seqs,) int64 are appended to it."""
         x = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
         rope = self.rotary(positions)
-        decoder = self.native_decoder()
+        decoder = self.whole_step
         if decoder is not None and decoder.takes(input_ids, meta, kv_cache):
             h = decoder.run(x, rope, meta, kv_cache)
             fused = getattr(self.lm_head, "forward_argmax", None)

@@ -5,8 +5,6 @@ along one flat token axis (`num_tokens`), and `AttentionMetadata` says which tok
 which sequence, where their keys/values go in the paged KV cache and which cached slots each
 sequence attends to. The metadata is built once per step by the runner and passed down as an
 argument; nothing here keeps per-step state.
-
-`paged_attention` is the plain SDPA reference path: it runs on any device torch runs on.
 """
 
 from __future__ import annotations

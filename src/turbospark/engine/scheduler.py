@@ -25,17 +25,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from turbospark.backend import FinishReason
+from turbospark.backend import EngineOverloaded, FinishReason
 from turbospark.engine.kv_cache import BlockManager
 from turbospark.engine.sequence import Sequence, SequenceFailed, SequenceStatus
-
-
-class EngineOverloaded(Exception):
-    """The waiting line is full: the caller answers 429 / 529 / 503 with Retry-After."""
-
-    def __init__(self, message: str, retry_after: float) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
 
 
 @dataclass(slots=True)

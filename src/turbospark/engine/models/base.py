@@ -39,6 +39,8 @@ from turbospark.engine.layers import (
     silu_and_mul,
 )
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of the step's positions
+
 
 class WholeStep(Protocol):
     """A decode step over every layer in one call (`turbospark.engine.native_decode`), which the
@@ -46,13 +48,8 @@ class WholeStep(Protocol):
 
     def takes(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> bool: ...
 
-    def run(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-        kv_cache: KVCache,
-    ) -> torch.Tensor: ...
+    def run(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        """x: the step's embeddings -> the final norm of the last hidden state."""
 
 
 @dataclass(slots=True)

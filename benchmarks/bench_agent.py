@@ -238,7 +238,7 @@ def render_prompts(gguf: Path, bodies: list[dict[str, Any]]) -> list[list[int]] 
     """Each body's prompt ids as turbospark renders it with the GGUF's tokenizer and template."""
     try:
         from turbospark.api.anthropic import parse_messages_request
-        from turbospark.engine.gguf_loader import GGUFFile
+        from turbospark.engine.gguf_file import GGUFFile
         from turbospark.engine.gguf_tokenizer import load_gguf_tokenizer
         from turbospark.plan import make_plan
         from turbospark.registry import ModelRegistry

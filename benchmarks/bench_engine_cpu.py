@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from turbospark.engine.backend import resolve_kv_dtype
-from turbospark.engine.cpu_kernels import cpu_flags, cpu_kernels
+from turbospark.engine.cpu_info import cpu_flags
+from turbospark.engine.cpu_kernels import cpu_kernels
 from turbospark.engine.loader import load_checkpoint
 from turbospark.engine.models import build_model
 from turbospark.engine.quant import auto_quant

@@ -203,6 +203,14 @@ class BackendError(Exception):
         self.status = status
 
 
+class EngineOverloaded(Exception):
+    """The waiting line is full: the caller answers 429 / 529 / 503 with Retry-After."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 @runtime_checkable
 class ChatModel(Protocol):
     """What the registry routes a request to. See the module docstring for the contract."""

@@ -24,10 +24,9 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 
 from turbospark import handoff
-from turbospark.backend import BackendError, CompletionResult, TokenEvent
-from turbospark.engine.scheduler import EngineOverloaded
+from turbospark.backend import BackendError, CompletionResult, EngineOverloaded, TokenEvent
 from turbospark.errors import ApiError, ErrorKind
-from turbospark.events import Event, Finish, Ping, ReasoningDelta, TextDelta
+from turbospark.events import Event, Ping, ReasoningDelta, TextDelta
 from turbospark.output import OutputPipeline
 from turbospark.plan import Plan
 
@@ -283,9 +282,3 @@ def _as_api_error(exc: BaseException) -> ApiError:
         kind = ErrorKind.INVALID_REQUEST if exc.status < 500 else ErrorKind.INTERNAL
         return ApiError(kind, str(exc), status=exc.status)
     return ApiError(ErrorKind.INTERNAL, f"generation failed: {type(exc).__name__}: {exc}")
-
-
-def finish_of(events: list[Event]) -> Finish:
-    last = events[-1]
-    assert isinstance(last, Finish)
-    return last

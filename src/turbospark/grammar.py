@@ -380,9 +380,9 @@ class GrammarProcessor:
 def make_matcher(grammar: str, tokenizer: Tokenizer, vocab_size: int, param: str) -> llguidance.LLMatcher:
     try:
         import llguidance
-    except ImportError as exc:  # an optional dependency: only constrained requests need it
+    except ImportError as exc:  # a dependency, imported late: only constrained requests need it
         raise invalid(
-            "this server cannot enforce output formats: install turbospark[grammar] (llguidance)", param
+            "this server cannot enforce output formats: llguidance is missing (reinstall turbospark)", param
         ) from exc
 
     ll = ll_tokenizer(tokenizer, vocab_size)

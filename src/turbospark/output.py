@@ -22,8 +22,6 @@ from turbospark.events import (
     ReasoningDelta,
     TextDelta,
     TokenLogprob,
-    ToolCallArgs,
-    ToolCallStart,
     Usage,
 )
 from turbospark.plan import Plan
@@ -141,7 +139,3 @@ class OutputPipeline:
         text = self.tokenizer.token_bytes_text
         top = [(text(i), i, lp) for i, lp in (token.top_logprobs or [])]
         return TokenLogprob(text(token.token_id), token.token_id, token.logprob or 0.0, top)
-
-
-def is_content_event(event: Event) -> bool:
-    return isinstance(event, TextDelta | ReasoningDelta | ToolCallStart | ToolCallArgs)

@@ -155,11 +155,11 @@ def test_numerics_defaults() -> None:
 def test_kv_cache_dtype_defaults() -> None:
     import torch
 
-    from turbospark.engine import native
     from turbospark.engine.backend import resolve_kv_dtype
+    from turbospark.engine.cpu_kernels import native_kernels_for
 
     # float16 where the native decode attention reads it over float32 activations
-    native_here = native.takes(torch.empty(1, 1)) is not None
+    native_here = native_kernels_for(torch.empty(1, 1)) is not None
     assert resolve_kv_dtype("cpu", torch.float32, None) == (torch.float16 if native_here else torch.float32)
     assert resolve_kv_dtype("cpu", torch.bfloat16, "auto") == torch.bfloat16
     assert resolve_kv_dtype("cpu", torch.float32, "float32") == torch.float32

@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
+from turbospark.engine.cpu_info import cpu_flags
 from turbospark.engine.cpu_kernels import (
     ENV_VAR,
-    cpu_flags,
     cpu_kernels,
     detect,
     free_cores,

@@ -10,12 +10,12 @@ import time
 import pytest
 from tiny_models import FAMILIES, checkpoint
 
-from turbospark.backend import NEVER_CANCEL, FinishReason, GenerationConfig, TokenEvent
+from turbospark.backend import NEVER_CANCEL, EngineOverloaded, FinishReason, GenerationConfig, TokenEvent
 from turbospark.engine.engine import Engine, StepOutput
 from turbospark.engine.kv_cache import BlockManager
 from turbospark.engine.models import build_model
 from turbospark.engine.runner import ModelRunner
-from turbospark.engine.scheduler import EngineOverloaded, ScheduledBatch, Scheduler, SchedulerConfig
+from turbospark.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from turbospark.ratecontrol import RateControl
 from turbospark.scripted import Replay, ReplayRunner
 

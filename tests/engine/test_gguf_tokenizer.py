@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from gguf import GGUFWriter
 
-from turbospark.engine.gguf_loader import GGUFFile
+from turbospark.engine.gguf_file import GGUFFile
 from turbospark.engine.gguf_tokenizer import load_gguf_tokenizer
 from turbospark.engine.loader import default_model_path
 

@@ -16,7 +16,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 
 from turbospark.backend import SamplingDefaults
-from turbospark.engine.gguf_loader import GGUFFile, dequantize, hf_tensor_name, load_gguf, unpermute_rows
+from turbospark.engine.gguf_file import GGUFFile
+from turbospark.engine.gguf_loader import dequantize, hf_tensor_name, load_gguf, unpermute_rows
 from turbospark.engine.loader import (
     DEFAULT_MODEL,
     ModelLoadError,

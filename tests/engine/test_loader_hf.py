@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from turbospark.engine.gguf_loader import GGUFFile
+from turbospark.engine.gguf_file import GGUFFile
 from turbospark.engine.gguf_tokenizer import load_gguf_tokenizer
 from turbospark.engine.hf_loader import read_safetensors
 from turbospark.engine.loader import (

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from turbospark.engine import native
+from turbospark.engine.cpu_kernels import native_kernels_for
 
 
 @dataclass(slots=True)
@@ -217,7 +218,7 @@ def _native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         return None
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None
-    return native.takes(q[:1])
+    return native_kernels_for(q[:1])
 
 
 class CpuAttention:

@@ -20,8 +20,6 @@ float32 for a float path on CPU and bfloat16 on CUDA.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import gc
 import inspect
 import logging
 from collections.abc import Sequence
@@ -43,6 +41,7 @@ from turbospark.backend import (
     Submission,
 )
 from turbospark.engine.engine import Delivery, Engine, StepRunner
+from turbospark.engine.memory import fix_mmap_threshold, release_freed_memory, weight_stats
 from turbospark.engine.models import Model
 from turbospark.engine.runner import ModelRunner
 from turbospark.engine.scheduler import Scheduler, SchedulerConfig
@@ -192,28 +191,6 @@ class RealChatModel(BackendDefaults):
             raise BackendError(f"prompt token ids must lie in [0, {self.vocab_size})")
 
 
-def weight_stats(model: torch.nn.Module, *, replicated: bool = True) -> tuple[int, int, set[str]]:
-    """(parameters, bytes, quantized kinds) of a model's weights as held in memory; without
-    `replicated`, less the norms every tensor-parallel rank holds whole (rank 0 counts them)."""
-    from turbospark.engine.layers import RMSNorm
-    from turbospark.engine.quant import Int4Linear, Int8Linear
-
-    params = {id(p): p for p in model.parameters()}  # tied weights once
-    if not replicated:
-        for m in model.modules():
-            if isinstance(m, RMSNorm):
-                params.pop(id(m.weight), None)
-    count = sum(p.numel() for p in params.values())
-    size = sum(p.numel() * p.element_size() for p in params.values())
-    kinds = set()
-    for m in model.modules():
-        if isinstance(m, Int8Linear | Int4Linear):
-            kinds.add("int4" if isinstance(m, Int4Linear) else "int8")
-            count += m.in_features * m.out_features
-            size += sum(b.numel() * b.element_size() for b in m.buffers())
-    return count, size, kinds
-
-
 def resolve_numerics(device: str, dtype: str | None, quant: str | None) -> tuple[torch.dtype, str | None]:
     """The (activation dtype, quant mode) `load_backend` uses; "auto" stays "auto" on CPU (it
     is settled by the weights, see `turbospark.engine.quant.auto_quant`)."""
@@ -258,9 +235,9 @@ def resolve_kv_dtype(device: str, activation_dtype: torch.dtype, kv_dtype: str |
             raise ValueError(f"on {device} the KV cache is in the model's dtype ({activation_dtype})")
         return chosen
     if torch.device(device).type == "cpu" and activation_dtype == torch.float32:
-        from turbospark.engine import native
+        from turbospark.engine.cpu_kernels import native_kernels_for
 
-        if native.takes(torch.empty(1, 1)) is not None:
+        if native_kernels_for(torch.empty(1, 1)) is not None:
             return torch.float16
     return activation_dtype
 
@@ -299,7 +276,7 @@ def load_backend(
         from turbospark.engine.parallel import check_devices
 
         check_devices(device, tensor_parallel)
-    _fix_mmap_threshold()
+    fix_mmap_threshold()
     threads = torch.get_num_threads()
     if torch.device(device).type == "cpu":
         from turbospark.engine.cpu_kernels import cpu_kernels, set_intra_op_threads
@@ -313,7 +290,7 @@ def load_backend(
         # is the compute dtype): half the float32 peak
         load_kwargs["dtype"] = load_dtype
     ckpt = load_checkpoint(spec, **load_kwargs)
-    _release_freed_memory()  # the loader's dequantization scratch, before the model's own
+    release_freed_memory()  # the loader's dequantization scratch, before the model's own
     if tensor_parallel != 1:
         from turbospark.engine.tensor_parallel import check_tensor_parallel
 
@@ -368,7 +345,7 @@ def load_backend(
         name = DEFAULT_MODEL if spec.strip() in ("", DEFAULT_MODEL) else ckpt.name
         sampling = ckpt.sampling
         del ckpt  # the float checkpoint tensors are no longer needed once the model holds its own
-        _release_freed_memory()
+        release_freed_memory()
         return RealChatModel(
             name,
             model,
@@ -409,29 +386,3 @@ def default_kv_cache_bytes(device: str) -> int:
             if line.startswith("MemAvailable:"):
                 available = int(line.split()[1]) * 1024
     return min(available // 5, 8 * 2**30)
-
-
-def _release_freed_memory() -> None:
-    """Hands the loader's freed buffers back to the OS.
-
-    glibc keeps freed blocks below its (adaptive, up to 32 MiB) mmap threshold in the heap, so
-    after loading, resident memory stays at the checkpoint's size until trimmed: on SmolLM2,
-    843 MB before and 399 MB after.
-    """
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-
-
-def _fix_mmap_threshold() -> None:
-    """Pins glibc's mmap threshold at 256 KiB: every weight-sized buffer then gets its own
-    mapping, given back the moment it is freed. With glibc's adaptive threshold (which rises to
-    32 MiB after the first large free) the checkpoint's freed tensors stay in the heap while the
-    quantized model is built, so the load's peak is their sum, and how high depends on timing:
-    SmolLM2's serving peak measured 910-1,040 MB over runs with a 4 MiB threshold, 835-837 MB
-    with 256 KiB (the bound its test holds is 1 GB)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 256 * 2**10)

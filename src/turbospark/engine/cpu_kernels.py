@@ -45,9 +45,11 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from turbospark.engine import native
+from turbospark.engine.cpu_info import cpu_flags
 
 ENV_VAR = "TURBOSPARK_CPU_KERNELS"
 # the native kernels' row limit: beyond it a matmul is a prefill chunk or a large decode batch,
@@ -91,8 +93,6 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def _native_vnni() -> bool:
-    from turbospark.engine import native
-
     loaded = native.kernels()
     return loaded is not None and loaded.vnni
 
@@ -107,18 +107,6 @@ def has_fbgemm_half() -> bool:
     except (RuntimeError, AttributeError):
         return False
     return True
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo is not readable)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
 
 
 def detect(
@@ -165,8 +153,6 @@ def _native_rows(dense_bf16: bool) -> int:
     """Rows per matmul the native kernels take on this machine (compiles them on first use):
     by default only where activations are float32 (bf16 emulated), where they were measured
     faster; $TURBOSPARK_NATIVE_KERNELS=1 wherever they can run."""
-    from turbospark.engine import native
-
     if dense_bf16 and native.mode() != "on":
         return 0
     return NATIVE_MAX_ROWS if native.kernels() is not None else 0
@@ -197,3 +183,18 @@ def set_intra_op_threads() -> int:
 def cpu_kernels() -> CpuKernels:
     """The process's profile, decided on first use and then fixed."""
     return detect()
+
+
+def native_kernels_for(x: torch.Tensor) -> native.Kernels | None:
+    """The native kernels when this profile runs them and they take this activation: float32 on
+    the CPU, at most `native.MAX_ROWS` rows (a decode step's), else None. Called for every norm,
+    rotary and MLP of a decode step."""
+    if x.dtype is not torch.float32 or x.shape[0] > native.MAX_ROWS or not x.is_cpu:
+        return None
+    return _native_enabled()
+
+
+@functools.cache
+def _native_enabled() -> native.Kernels | None:
+    """The kernels where this process's profile runs them (fixed for the process)."""
+    return native.kernels() if cpu_kernels().native_rows else None

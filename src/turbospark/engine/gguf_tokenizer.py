@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 from turbospark.engine.checkpoint import ModelLoadError, cache_dir
 
 if TYPE_CHECKING:
-    from turbospark.engine.gguf_loader import GGUFFile
+    from turbospark.engine.gguf_file import GGUFFile
 
 # Bump when the built tokenizer changes, so stale cache entries are rebuilt.
 CACHE_FORMAT = 1

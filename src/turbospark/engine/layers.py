@@ -5,8 +5,6 @@ along one flat token axis (`num_tokens`), and `AttentionMetadata` says which tok
 which sequence, where their keys/values go in the paged KV cache and which cached slots each
 sequence attends to. The metadata is built once per step by the runner and passed down as an
 argument; nothing here keeps per-step state.
-
-`paged_attention` is the plain SDPA reference path: it runs on any device torch runs on.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from turbospark.engine import cuda_ops, native
+from turbospark.engine.cpu_kernels import native_kernels_for
 
 
 class RMSNorm(nn.Module):
@@ -38,7 +37,7 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
     def _native(self, x: torch.Tensor) -> native.Kernels | None:
-        return native.takes(x) if self.weight.dtype == torch.float32 else None
+        return native_kernels_for(x) if self.weight.dtype == torch.float32 else None
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual stream's add fused with the norm."""
@@ -157,7 +156,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x: (num_tokens, num_heads, head_dim) in the Hugging Face "rotate half" layout."""
     if x.is_cuda and cuda_ops.supports_rotary(x):
         return cuda_ops.rotary(x, cos, sin)
-    kernels = native.takes(x)
+    kernels = native_kernels_for(x)
     if kernels is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.dtype == torch.float32:
         return kernels.rotary(x, cos, sin)
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
@@ -167,7 +166,7 @@ def silu_and_mul(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
     """silu(gate) * up for gate_up (num_tokens, 2 * intermediate_size), the gated MLP's middle."""
     if gate_up.is_cuda and cuda_ops.supports_rows(gate_up):
         return cuda_ops.silu_mul(gate_up, intermediate_size)
-    kernels = native.takes(gate_up)
+    kernels = native_kernels_for(gate_up)
     if kernels is not None:
         return kernels.silu_mul(gate_up, intermediate_size)
     return F.silu(gate_up[..., :intermediate_size]) * gate_up[..., intermediate_size:]

@@ -36,6 +36,9 @@ from typing import Any
 
 import torch
 
+from turbospark.engine.checkpoint import cache_dir
+from turbospark.engine.cpu_info import cpu_flags
+
 log = logging.getLogger(__name__)
 
 ENV_VAR = "TURBOSPARK_NATIVE_KERNELS"
@@ -184,22 +187,6 @@ class Kernels:
         return out
 
 
-def takes(x: torch.Tensor) -> Kernels | None:
-    """The kernels when they take this activation: float32 on the CPU, at most MAX_ROWS rows
-    (a decode step's), else None. Called for every norm, rotary and MLP of a decode step."""
-    if x.dtype is not torch.float32 or x.shape[0] > MAX_ROWS or not x.is_cpu:
-        return None
-    return _enabled()
-
-
-@functools.cache
-def _enabled() -> Kernels | None:
-    """The kernels where the CPU profile runs them (fixed for the process)."""
-    from turbospark.engine.cpu_kernels import cpu_kernels
-
-    return kernels() if cpu_kernels().native_rows else None
-
-
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -242,12 +229,6 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, gr
     return Q4Weight(nibbles.contiguous(), per_block(scales), per_block(offsets))
 
 
-def _cpu_flags() -> frozenset[str]:
-    from turbospark.engine.cpu_kernels import cpu_flags
-
-    return cpu_flags()
-
-
 def _compiler() -> str | None:
     for cc in (os.environ.get("CC"), "cc", "gcc"):
         if cc and shutil.which(cc):
@@ -259,7 +240,7 @@ def uses_vnni(flags: frozenset[str] | None = None) -> bool:
     """Whether the kernels are built with AVX-512 VNNI dot products on this CPU (or `flags`)."""
     if os.environ.get(VNNI_ENV_VAR, "").strip().lower() in ("0", "off", "false", "no"):
         return False
-    return VNNI_CPU_FLAGS.issubset(_cpu_flags() if flags is None else flags)
+    return VNNI_CPU_FLAGS.issubset(cpu_flags() if flags is None else flags)
 
 
 def build_flags() -> tuple[str, ...]:
@@ -267,8 +248,6 @@ def build_flags() -> tuple[str, ...]:
 
 
 def _library_path(cc: str, flags: tuple[str, ...]) -> Path:
-    from turbospark.engine.checkpoint import cache_dir
-
     digest = hashlib.sha256()
     digest.update(SOURCE.read_bytes())
     digest.update(" ".join((cc, *flags, torch.__version__)).encode())
@@ -340,7 +319,7 @@ def unavailable_reason(flags: frozenset[str] | None = None) -> str | None:
     """Why the kernels cannot run here (None: they can, given a compiler)."""
     if mode() == "off":
         return f"{ENV_VAR} turns them off"
-    missing = REQUIRED_FLAGS - (_cpu_flags() if flags is None else flags)
+    missing = REQUIRED_FLAGS - (cpu_flags() if flags is None else flags)
     if missing:
         return f"the CPU lacks {', '.join(sorted(missing))}"
     if _compiler() is None:

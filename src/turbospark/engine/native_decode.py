@@ -26,10 +26,11 @@ from torch import nn
 
 from turbospark.engine import native
 from turbospark.engine.attention import AttentionMetadata, CpuAttention, decode_slot_ids
+from turbospark.engine.cpu_kernels import native_kernels_for
+from turbospark.engine.models import base
 
 if TYPE_CHECKING:
     from turbospark.engine.kv_cache import KVCache
-    from turbospark.engine.models import base
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -139,9 +140,7 @@ class NativeDecoder:
 
     @classmethod
     def build(cls, lm: base.CausalLM) -> NativeDecoder | None:
-        from turbospark.engine.models import base
-
-        kernels = native.takes(torch.empty(1, 1))
+        kernels = native_kernels_for(torch.empty(1, 1))
         if kernels is None or not _float32(lm.model.norm.weight):
             return None
         layers = [layer for layer in lm.model.layers if isinstance(layer, base.DecoderLayer)]
@@ -274,8 +273,6 @@ class NativeDecoder:
 
 def _shared_layer_code(layer: base.DecoderLayer) -> bool:
     """Whether a layer runs the shared decoder code the C step reproduces (no family override)."""
-    from turbospark.engine.models import base
-
     attn, mlp = layer.self_attn, layer.mlp
     return (
         type(layer).forward is base.DecoderLayer.forward

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from turbospark.engine.engine import StepOutput
+from turbospark.engine.memory import fix_mmap_threshold, release_freed_memory, weight_stats
 from turbospark.engine.runner import ModelRunner, StepInputs
 from turbospark.engine.tensor_parallel import Shard
 
@@ -419,8 +420,6 @@ def _worker_main(rank: int, world_size: int, port: int, job: WorkerJob) -> None:
     except BaseException as exc:
         store.set(f"failed/{rank}", f"{type(exc).__name__}: {exc}")
         raise
-    from turbospark.engine.backend import weight_stats
-
     assert isinstance(runner.model, torch.nn.Module)
     count, size, _ = weight_stats(runner.model, replicated=False)
     store.set(f"ready/{rank}", json.dumps({"num_parameters": count, "size_bytes": size}))
@@ -435,10 +434,9 @@ def _worker_main(rank: int, world_size: int, port: int, job: WorkerJob) -> None:
 
 
 def _build_runner(rank: int, world_size: int, device: torch.device, job: WorkerJob) -> ModelRunner:
-    from turbospark.engine.backend import _fix_mmap_threshold, _release_freed_memory
     from turbospark.engine.models import build_model
 
-    _fix_mmap_threshold()  # as rank 0 loads: freed weights go back to the OS at once
+    fix_mmap_threshold()  # as rank 0 loads: freed weights go back to the OS at once
     config, loaded = job.source()
     tensors = dict(loaded)  # consumed by the build, weight by weight
     del loaded
@@ -453,7 +451,7 @@ def _build_runner(rank: int, world_size: int, device: torch.device, job: WorkerJ
         shard=Shard(rank, world_size),
     )
     del tensors
-    _release_freed_memory()
+    release_freed_memory()
     return ModelRunner(
         model,
         max_context=job.max_context,

@@ -26,17 +26,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from turbospark.backend import FinishReason, TokenEvent
+from turbospark.backend import EngineOverloaded, FinishReason, TokenEvent
 from turbospark.engine.kv_cache import BlockManager
 from turbospark.engine.sequence import Sequence, SequenceFailed, SequenceStatus
-
-
-class EngineOverloaded(Exception):
-    """The waiting line is full: the caller answers 429 / 529 / 503 with Retry-After."""
-
-    def __init__(self, message: str, retry_after: float) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
 
 
 @dataclass(slots=True)

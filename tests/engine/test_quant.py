@@ -123,6 +123,20 @@ def test_packed_int8_path_is_exact_and_agrees_with_the_kernel() -> None:
 
 
 @needs_packed
+@pytest.mark.parametrize(("in_features", "split"), [(576, 512), (896, 896), (1536, 1536), (1100, 1024)])
+def test_packed_copy_splits_off_a_small_remainder_and_computes_the_same(in_features: int, split: int) -> None:
+    """An input width a little past a multiple of 512 (SmolLM2's 576) keeps its last columns
+    unpadded beside the packed part; the product is the fp16-rounded weight's either way."""
+    weight, bias = torch.randn(48, in_features), torch.randn(48)
+    packed = pack_half(weight, bias)
+    assert packed is not None and packed.split == split
+    assert (packed.tail is None) == (split == in_features)
+    x = torch.randn(20, in_features)
+    expected = x @ weight.half().float().T + bias
+    torch.testing.assert_close(packed.matmul(x), expected, atol=1e-3 * float(expected.abs().max()), rtol=0)
+
+
+@needs_packed
 def test_lm_head_is_packed_only_where_fbgemm_pads_it_little() -> None:
     assert pack_half(torch.randn(8, 896), None, LM_HEAD_MAX_PADDING) is not None  # 896 -> 1,024
     assert pack_half(torch.randn(8, 576), None, LM_HEAD_MAX_PADDING) is None  # 576 -> 1,024

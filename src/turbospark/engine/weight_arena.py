@@ -20,6 +20,7 @@ with `TURBOSPARK_HUGEPAGES=0`.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import mmap
@@ -33,6 +34,7 @@ log = logging.getLogger("turbospark.engine")
 
 ENV_VAR = "TURBOSPARK_HUGEPAGES"
 HUGE_PAGE = 2 << 20
+TRIM_EVERY = 16 << 20
 ALIGN = 64  # each tensor starts on a cache line: the kernels' loads are aligned as before
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -106,6 +108,7 @@ def pack_weights(model: nn.Module) -> int:
     arena = torch.frombuffer(area, dtype=torch.uint8)
     offset = (-arena.data_ptr()) % HUGE_PAGE
     # largest first: the big matrices start on huge-page boundaries
+    untrimmed = 0
     with torch.no_grad():
         for ptr in sorted(groups, key=lambda p: -sizes[p]):
             tensors = groups[ptr]
@@ -114,6 +117,13 @@ def pack_weights(model: nn.Module) -> int:
             slot.copy_(tensors[0].reshape(-1).view(torch.uint8))
             for t in tensors:
                 t.set_(slot.untyped_storage(), offset // t.element_size(), t.shape, t.stride())
+            del tensors, slot
             offset += sizes[ptr]
+            untrimmed += sizes[ptr]
+            if untrimmed >= TRIM_EVERY:
+                # storages under glibc's mmap threshold go back to its heap, not to the OS, when
+                # freed: without a trim now and then the load's peak holds the model twice
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+                untrimmed = 0
     model._weight_arena = area  # type: ignore[assignment]
     return total

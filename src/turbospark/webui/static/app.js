@@ -470,7 +470,7 @@ async function checkVision() {
   } catch {
     // the hint only
   }
-  $("vision-hint").textContent = vision ? "reads images" : "reports no vision: the server will refuse images";
+  $("vision-hint").textContent = vision ? "reads images" : "no vision: the server refuses images";
 }
 
 function renderAttachments() {

@@ -9,6 +9,7 @@ behaviour; SmolLM2 proves it on a real model.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import struct
@@ -392,3 +393,34 @@ def test_smollm2_streams_and_stops(page: Any, tmp_path: Path) -> None:
         wait_idle(page)
         poll(lambda: running_sequences(server.url) == 0, "the server's running sequences drop to 0")
         assert "stopped" in page.locator(".msg.assistant .stats").last.inner_text()
+
+
+def test_tool_calls_show_as_calls(page: Any, tmp_path: Path) -> None:
+    # The page declares no tools; this test adds one to the page's own request on its way out,
+    # so the real server parses the scripted model's call and streams it as a tool call.
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+
+    def add_tool(route: Any) -> None:
+        body = route.request.post_data_json
+        route.continue_(post_data=json.dumps({**body, "tools": [tool]}))
+
+    page.route("**/v1/chat/completions", add_tool)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    with scripted(tmp_path, "Checking. " + call) as server:
+        open_page(page, server.url)
+        send(page, "Weather in Paris?")
+        wait_idle(page)
+        shown = page.locator(".msg.assistant .tool-call")
+        assert shown.locator(".tool-name").inner_text() == "get_weather"
+        assert json.loads(shown.locator(".tool-args").inner_text()) == {"city": "Paris"}
+        assert "tool_call" not in page.locator(".msg.assistant .content").inner_text()

@@ -378,11 +378,13 @@ def test_an_image_for_a_model_without_vision_shows_the_servers_refusal(page: Any
 def test_smollm2_streams_and_stops(page: Any, tmp_path: Path) -> None:
     with ServerProcess("--model", "smollm2") as server:
         open_page(page, server.url)
+        page.click("#settings summary")
+        page.fill("#temperature", "0")  # greedy: the answer test_real_serve pins
+        page.fill("#max-tokens", "24")
         send(page, "What is the capital of France? Answer in one word.")
         wait_idle(page)
         assert "Paris" in page.locator(".msg.assistant .content").inner_text()
         assert "tokens/s" in page.locator(".msg.assistant .stats").inner_text()
-        page.click("#settings summary")
         page.fill("#max-tokens", "400")
         send(page, "Write a long story about a dragon who learns to cook.")
         page.wait_for_function(

@@ -236,6 +236,7 @@ function renderMessages() {
   const conv = current();
   const msgs = conv ? conv.messages : [];
   box.replaceChildren(...msgs.map((m, i) => messageElement(m, i, i === msgs.length - 1 && !running)));
+  if (running && running.conversation === conv) running.element = box.lastElementChild;
   box.scrollTop = box.scrollHeight;
 }
 
@@ -313,18 +314,18 @@ async function generate(conv) {
   conv.model = model;
   conv.updated = Date.now();
   const controller = new AbortController();
-  running = { controller, conversation: conv, message: msg };
+  running = { controller, conversation: conv, message: msg, element: null };
   setRunning(true);
   save();
   renderAll();
-  const el = $("messages").lastElementChild;
   let scheduled = false;
   const redraw = () => {
     if (scheduled) return;
     scheduled = true;
     requestAnimationFrame(() => {
       scheduled = false;
-      if (el.isConnected) update(el, msg);
+      const el = running?.message === msg ? running.element : null;
+      if (el?.isConnected) update(el, msg); // gone while another conversation is shown
       const box = $("messages");
       box.scrollTop = box.scrollHeight;
     });

@@ -191,7 +191,7 @@ def serve(args: argparse.Namespace) -> int:
     args.model = model_specs(args)
     registry.num_loading = len(args.model)
     state = ServerState(registry=registry, api_keys=keys, max_body_bytes=limits.max_body_bytes)
-    app = create_app(state, cors_origins=args.cors_origins or ())
+    app = create_app(state, cors_origins=args.cors_origins or (), web_ui=not args.no_webui)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
@@ -282,6 +282,9 @@ def parser() -> argparse.ArgumentParser:
         help="on SIGTERM, seconds running replies get to finish before they are ended (default 30)",
     )
     s.add_argument("--no-guardrails", action="store_true", help="turn tool-call repair and validation off")
+    s.add_argument(
+        "--no-webui", action="store_true", help="do not serve the chat page (at /chat, and at / for browsers)"
+    )
     s.add_argument(
         "--sampling-defaults",
         choices=["model", "none"],

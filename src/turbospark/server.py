@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from turbospark import __version__, metrics
+from turbospark import __version__, metrics, webui
 from turbospark.api import anthropic, embeddings, models, ollama, openai, openapi, operations, responses
 from turbospark.api.common import ServerState, Shutdown, state_of
 from turbospark.api.envelopes import anthropic_error, ollama_error, openai_error_body
@@ -76,7 +76,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return render_unrouted(request, error)
 
 
-def create_app(state: ServerState, *, cors_origins: Sequence[str] = ()) -> Starlette:
+def create_app(state: ServerState, *, cors_origins: Sequence[str] = (), web_ui: bool = True) -> Starlette:
     routes: list[BaseRoute] = [Route("/health", health, methods=["GET"])]
     # Each API module contributes routes(); no two share a path.
     routes += operations.routes()
@@ -89,6 +89,9 @@ def create_app(state: ServerState, *, cors_origins: Sequence[str] = ()) -> Starl
     routes += metrics.routes()
     routes += openapi.routes()
     middleware = [Middleware(metrics.RequestMetrics)]
+    if web_ui:  # the chat page at /chat, and at / for browsers (others still get Ollama's answer)
+        routes += webui.routes()
+        middleware.append(Middleware(webui.BrowserHome))
     if cors_origins:
         # Browsers on these origins may call every route; keys travel in headers, not cookies.
         middleware.append(

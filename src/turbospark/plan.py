@@ -263,6 +263,7 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
         logit_bias=dict(sp.logit_bias),
         seed=sp.seed,
         num_top_logprobs=(sp.top_logprobs if sp.logprobs else None),
+        cache_salt=request.cache_salt,
     )
     # A prefill follows the generation prompt, so the reply never starts inside a think block.
     start_in_reasoning = (

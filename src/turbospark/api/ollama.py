@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from turbospark.api import fields as f
-from turbospark.api.common import endpoint, read_json, state_of
+from turbospark.api.common import cache_salt, endpoint, read_json, state_of
 from turbospark.api.envelopes import ollama_error, ollama_error_body
 from turbospark.api.kit import (
     NDJSON,
@@ -411,6 +411,7 @@ async def _generate(request: Request, chat_api: bool) -> Response:
     if not chat.messages and chat.prompt is None:
         registry.resolve(chat.model)  # an unknown model is still a 404
         return _respond(_load_reply(chat.model, keep_alive, chat_api), chat.stream)
+    chat.cache_salt = cache_salt(request, body)
     plan = make_plan(chat, registry)
     if chat.stream:
         return await _stream(request, plan, started, chat_api)

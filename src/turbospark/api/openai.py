@@ -17,7 +17,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from turbospark.api import fields as f
-from turbospark.api.common import endpoint, new_id, read_json, sse_response, state_of
+from turbospark.api.common import cache_salt, endpoint, new_id, read_json, sse_response, state_of
 from turbospark.api.envelopes import openai_error, openai_error_body
 from turbospark.api.kit import (
     SSE_DONE,
@@ -214,6 +214,7 @@ async def _sse_choices(
 async def chat_completions(request: Request) -> Response:
     body = await read_json(request)
     chat, include_usage = parse_chat_request(body)
+    chat.cache_salt = cache_salt(request, body)
     plan = make_plan(chat, state_of(request).registry)
     head = {"id": new_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time())}
     head |= {"model": chat.model, "system_fingerprint": "turbospark"}
@@ -294,6 +295,7 @@ async def completions(request: Request) -> Response:
         stop=f.stop_list(body, "stop"),
         stream=stream,
         n=_num_choices(body),
+        cache_salt=cache_salt(request, body),
     )
     echo = prompt if f.boolean(body, "echo", False) else ""
     plan = make_plan(chat, state_of(request).registry)

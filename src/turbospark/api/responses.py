@@ -27,7 +27,15 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from turbospark.api import fields as f
-from turbospark.api.common import endpoint, new_id, read_json, sse_response, state_of, until_disconnect
+from turbospark.api.common import (
+    cache_salt,
+    endpoint,
+    new_id,
+    read_json,
+    sse_response,
+    state_of,
+    until_disconnect,
+)
 from turbospark.api.envelopes import openai_error
 from turbospark.api.kit import SSE_PING, logprob_entries, sse_event, start_stream
 from turbospark.api.parsing import (
@@ -644,6 +652,7 @@ def _sse(event: dict[str, Any]) -> bytes:
 async def create_response(request: Request) -> Response:
     body = await read_json(request)
     chat, origins = parse_body(body)
+    chat.cache_salt = cache_salt(request, body)
     plan = make_plan(chat, state_of(request).registry)
     reasoning = body.get("reasoning")
     summarize = isinstance(reasoning, dict) and reasoning.get("summary") not in (None, "none")

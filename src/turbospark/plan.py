@@ -190,6 +190,11 @@ def _with_default_system(messages: list[Message], system: str | None) -> list[Me
 def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
     check_request(request, registry.limits)
     tools = callable_tools(request)  # the request alone decides this: refused before any lookup
+    if not request.model:
+        # Clients written for one-model servers (llama.cpp's) send no model: the fallback's.
+        if registry.fallback is None:
+            raise invalid("'model' is required (this server has no --fallback-model)", "model")
+        request.model = registry.fallback
     served = registry.resolve(request.model)
     backend = served.backend
     if backend.vision() is None and request.images():
@@ -236,6 +241,7 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
             f"the prompt is {num_prompt} tokens, which does not fit model {backend.model_id!r}'s context of "
             f"{backend.max_context} tokens (at least one token must be left for the reply)",
             "messages",
+            code="context_length_exceeded",  # OpenAI's code for it, which clients match on
         )
     room = backend.max_context - num_prompt
     # A max_tokens beyond the context is capped to what is left; running into that cap is
@@ -263,6 +269,7 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
         logit_bias=dict(sp.logit_bias),
         seed=sp.seed,
         num_top_logprobs=(sp.top_logprobs if sp.logprobs else None),
+        cache_salt=request.cache_salt,
     )
     # A prefill follows the generation prompt, so the reply never starts inside a think block.
     start_in_reasoning = (

@@ -114,6 +114,9 @@ class ChatRequest:
     # A raw prompt skips the chat template (OpenAI /v1/completions, Ollama raw generate).
     prompt: str | None = None
     add_special_tokens: bool = True
+    # Prefix-cache isolation (`GenerationConfig.cache_salt`): the body's `cache_salt` and/or the
+    # caller's API key, combined by `api/common.cache_salt`.
+    cache_salt: str | None = None
 
     def images(self) -> list[RequestImage]:
         return [img for m in self.messages for img in m.images]

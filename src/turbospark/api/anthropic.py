@@ -42,7 +42,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from turbospark.api import fields as f
-from turbospark.api.common import endpoint, new_id, read_json, sse_response, state_of
+from turbospark.api.common import cache_salt, endpoint, new_id, read_json, sse_response, state_of
 from turbospark.api.envelopes import anthropic_error, anthropic_error_body
 from turbospark.api.kit import CollectedChoice, collect, sse_event, start_stream, tool_arguments
 from turbospark.api.parsing import parse_temperature_top_p
@@ -394,7 +394,7 @@ def _stop_sequences(body: dict[str, Any]) -> list[str]:
 
 def parse_messages_request(body: dict[str, Any], *, count_only: bool = False) -> ChatRequest:
     """A /v1/messages body (or a count_tokens body, which has no max_tokens) as a ChatRequest."""
-    model = f.string(body, "model", required=True) or ""
+    model = f.string(body, "model") or ""  # none: the --fallback-model's, else a 400 (plan.py)
     max_tokens = None
     if not count_only:
         max_tokens = f.integer(body, "max_tokens", minimum=1)
@@ -575,6 +575,7 @@ class StreamWriter:
 async def messages(request: Request) -> Response:
     body = await read_json(request)
     chat = parse_messages_request(body)
+    chat.cache_salt = cache_salt(request, body)
     state = state_of(request)
     plan = make_plan(chat, state.registry)
     ident = new_id("msg_")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import logging
 import time
@@ -25,6 +26,7 @@ from typing import Any, TypeVar
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
+from turbospark.api import fields as f
 from turbospark.api.fields import parse_json_object
 from turbospark.errors import ApiError, ErrorKind
 from turbospark.registry import ModelRegistry
@@ -89,20 +91,42 @@ def state_of(request: Request) -> ServerState:
     return server
 
 
-def check_auth(request: Request) -> None:
-    keys = state_of(request).api_keys
-    if not keys:
-        return
+def _given_key(request: Request) -> str | None:
     given = request.headers.get("x-api-key")
     auth = request.headers.get("authorization", "")
     if given is None and auth.lower().startswith("bearer "):
         given = auth[7:].strip()
+    return given
+
+
+def check_auth(request: Request) -> None:
+    keys = state_of(request).api_keys
+    if not keys:
+        return
+    given = _given_key(request)
     if given is None:
         raise ApiError(
             ErrorKind.AUTHENTICATION, "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key'"
         )
     if not any(hmac.compare_digest(given.encode(), k.encode()) for k in keys):
         raise ApiError(ErrorKind.AUTHENTICATION, "invalid API key")
+
+
+def cache_salt(request: Request, body: dict[str, Any]) -> str | None:
+    """A request's prefix-cache salt (`GenerationConfig.cache_salt`): the body's `cache_salt` (a
+    non-empty string, as vLLM reads it) and, when the server checks API keys, a digest of the
+    caller's key, so callers with different keys never share cached blocks (nor time each
+    other's prompts through them). None when neither applies: one shared cache."""
+    salt = f.string(body, "cache_salt")
+    if salt is not None and not salt:
+        raise ApiError(
+            ErrorKind.INVALID_REQUEST, "'cache_salt' must be a non-empty string", param="cache_salt"
+        )
+    key = _given_key(request) if state_of(request).api_keys else None
+    if key is None:
+        return salt
+    tenant = "key:" + hashlib.sha256(key.encode()).hexdigest()[:32]
+    return tenant if salt is None else f"{tenant}|salt:{salt}"
 
 
 async def read_json(request: Request) -> dict[str, Any]:

@@ -34,7 +34,7 @@ def openai_error_body(exc: ApiError) -> dict[str, Any]:
             "message": exc.message,
             "type": _OPENAI_TYPES[exc.kind],
             "param": exc.param,
-            "code": _OPENAI_CODES.get(exc.kind),
+            "code": exc.code or _OPENAI_CODES.get(exc.kind),
         }
     }
 

@@ -89,6 +89,11 @@ def integer(
     if value is None:
         return None
     if isinstance(value, float) and value.is_integer():
+        if abs(value) > 2**53:
+            # The JSON parser keeps integers exactly only up to 64 bits; past that a number
+            # arrives as a float whose low digits are gone (2**64 + 5 reads as 2**64), so no range
+            # check on it could be trusted.
+            raise invalid(f"'{where}' must be an exact integer; {value:.17g} is too large", where)
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise invalid(f"'{where}' must be an integer, not {_kind(value)}", where)

@@ -3,7 +3,10 @@ SSE / NDJSON framing, logprob entries and usage sums.
 
 `start_stream` waits for a choice's first event before the HTTP reply begins, so an error that
 comes before it (a full queue, a prompt the backend refuses) is still a plain HTTP error in the
-caller's envelope; what it returns yields that first event and then the rest. `collect` runs
+caller's envelope; what it returns yields that first event and then the rest. On the engine's
+direct path that first event is a `Ping` as soon as the request is in the engine's line, so the
+reply's headers and opening event (`message_start`, `response.created`) never wait for a
+queued request's first token. `collect` runs
 choices to their end for a non-streaming reply; `CollectedChoice` is the one accumulator every
 API renders from.
 """

@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from turbospark.api import fields as f
-from turbospark.api.common import endpoint, read_json, state_of
+from turbospark.api.common import cache_salt, endpoint, read_json, state_of
 from turbospark.api.envelopes import ollama_error, ollama_error_body
 from turbospark.api.kit import (
     NDJSON,
@@ -133,7 +133,7 @@ def parse_options(body: dict[str, Any]) -> tuple[SamplingParams, int | None, lis
     top_k = f.integer(opts, "top_k", where("top_k"), minimum=-1)
     sp.top_k = None if top_k is None else max(0, top_k)  # llama.cpp: top_k <= 0 is off
     sp.min_p = f.number(opts, "min_p", where("min_p"), minimum=0.0, maximum=1.0)
-    seed = f.integer(opts, "seed", where("seed"))
+    seed = f.integer(opts, "seed", where("seed"), minimum=-(2**63), maximum=2**63 - 1)
     sp.seed = seed if seed is not None and seed >= 0 else None  # Ollama: -1 is a random seed
     repeat = f.number(opts, "repeat_penalty", where("repeat_penalty"), minimum=0.0, maximum=10.0)
     # 1.0 is off; llama.cpp treats 0 as off too rather than dividing logits by zero.
@@ -411,6 +411,7 @@ async def _generate(request: Request, chat_api: bool) -> Response:
     if not chat.messages and chat.prompt is None:
         registry.resolve(chat.model)  # an unknown model is still a 404
         return _respond(_load_reply(chat.model, keep_alive, chat_api), chat.stream)
+    chat.cache_salt = cache_salt(request, body)
     plan = make_plan(chat, registry)
     if chat.stream:
         return await _stream(request, plan, started, chat_api)

@@ -17,7 +17,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from turbospark.api import fields as f
-from turbospark.api.common import endpoint, new_id, read_json, sse_response, state_of
+from turbospark.api.common import cache_salt, endpoint, new_id, read_json, sse_response, state_of
 from turbospark.api.envelopes import openai_error, openai_error_body
 from turbospark.api.kit import (
     SSE_DONE,
@@ -80,6 +80,10 @@ def parse_logit_bias(raw: Any) -> dict[int, float]:
     return out
 
 
+# A seed is a signed 64-bit integer (as vLLM takes it); one outside is a 400, not wrapped silently.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
 def parse_sampling(body: dict[str, Any]) -> SamplingParams:
     sp = parse_temperature_top_p(body, max_temperature=2.0)
     top_k = f.integer(body, "top_k", minimum=-1)
@@ -88,7 +92,7 @@ def parse_sampling(body: dict[str, Any]) -> SamplingParams:
     sp.presence_penalty = f.number(body, "presence_penalty", minimum=-2.0, maximum=2.0) or 0.0
     sp.frequency_penalty = f.number(body, "frequency_penalty", minimum=-2.0, maximum=2.0) or 0.0
     sp.repetition_penalty = f.number(body, "repetition_penalty", minimum=0.01, maximum=10.0)
-    sp.seed = f.integer(body, "seed")
+    sp.seed = f.integer(body, "seed", minimum=SEED_MIN, maximum=SEED_MAX)
     sp.logit_bias = parse_logit_bias(body.get("logit_bias"))
     return sp
 
@@ -113,7 +117,7 @@ def _num_choices(body: dict[str, Any]) -> int:
 
 
 def parse_chat_request(body: dict[str, Any]) -> tuple[ChatRequest, bool]:
-    model = f.string(body, "model", required=True) or ""
+    model = f.string(body, "model") or ""  # none: the --fallback-model's, else a 400 (plan.py)
     messages = parse_chat_messages(body.get("messages"))
     stream, include_usage = _stream_flags(body)
     sampling = parse_sampling(body)
@@ -214,6 +218,7 @@ async def _sse_choices(
 async def chat_completions(request: Request) -> Response:
     body = await read_json(request)
     chat, include_usage = parse_chat_request(body)
+    chat.cache_salt = cache_salt(request, body)
     plan = make_plan(chat, state_of(request).registry)
     head = {"id": new_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time())}
     head |= {"model": chat.model, "system_fingerprint": "turbospark"}
@@ -277,7 +282,7 @@ def _completion_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
 
 async def completions(request: Request) -> Response:
     body = await read_json(request)
-    model = f.string(body, "model", required=True) or ""
+    model = f.string(body, "model") or ""  # none: the --fallback-model's, else a 400 (plan.py)
     prompt = _prompt_text(f.req(body, "prompt"))
     stream, include_usage = _stream_flags(body)
     sampling = parse_sampling(body)
@@ -294,10 +299,16 @@ async def completions(request: Request) -> Response:
         stop=f.stop_list(body, "stop"),
         stream=stream,
         n=_num_choices(body),
+        cache_salt=cache_salt(request, body),
     )
     echo = prompt if f.boolean(body, "echo", False) else ""
     plan = make_plan(chat, state_of(request).registry)
-    head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()), "model": model}
+    head = {
+        "id": new_id("cmpl-"),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": chat.model,
+    }
 
     def choice(index: int, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}

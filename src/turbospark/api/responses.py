@@ -15,8 +15,10 @@ so both forms always carry the same output.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -25,14 +27,22 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from turbospark.api import fields as f
-from turbospark.api.common import endpoint, new_id, read_json, sse_response, state_of, until_disconnect
+from turbospark.api.common import (
+    cache_salt,
+    endpoint,
+    new_id,
+    read_json,
+    sse_response,
+    state_of,
+    until_disconnect,
+)
 from turbospark.api.envelopes import openai_error
 from turbospark.api.kit import SSE_PING, logprob_entries, sse_event, start_stream
 from turbospark.api.parsing import (
     parse_effort,
     parse_json_format,
     parse_temperature_top_p,
-    parse_tool_fields,
+    parse_tool_choice,
     read_content,
 )
 from turbospark.errors import ApiError, ErrorKind, invalid
@@ -48,9 +58,100 @@ from turbospark.events import (
 )
 from turbospark.generate import run_choice
 from turbospark.plan import Plan, make_plan
-from turbospark.request import ChatRequest, Message, ResponseFormat, ToolCall, ToolChoiceMode
+from turbospark.request import (
+    ChatRequest,
+    Message,
+    ResponseFormat,
+    Tool,
+    ToolCall,
+    ToolChoiceMode,
+    empty_object_schema,
+)
+
+log = logging.getLogger("turbospark.api.responses")
 
 CALL_PREFIX = "call_"  # on the engine's call ids, as OpenAI writes them
+
+# ---------------------------------------------------------------- tools
+
+
+@dataclass(frozen=True, slots=True)
+class ToolOrigin:
+    """How a tool the model sees under one flat name was declared, so its calls go back in the
+    caller's own shape: a function inside a `namespace` tool (`namespace` + `name`), or a
+    `custom` (freeform) tool whose call carries its text as `input`."""
+
+    name: str
+    namespace: str | None = None
+    custom: bool = False
+
+
+ToolOrigins = dict[str, ToolOrigin]
+
+
+def flat_tool_name(namespace: str, name: str) -> str:
+    """A namespaced function's name as the model sees it: `namespace__name`, the flat form Codex
+    itself uses where a boundary cannot keep the split."""
+    return f"{namespace.rstrip('_')}__{name.lstrip('_')}"
+
+
+def _function_tool(item: dict[str, Any], where: str, name: str) -> Tool:
+    return Tool(
+        name=name,
+        description=f.string(item, "description", f"{where}.description") or "",
+        parameters=f.obj(item, "parameters", f"{where}.parameters") or empty_object_schema(),
+        strict=f.boolean(item, "strict", False, f"{where}.strict"),
+    )
+
+
+def _custom_tool(item: dict[str, Any], where: str, name: str) -> Tool:
+    """A freeform tool as a function of one string, `input`; its grammar (if any) goes into the
+    description, since the model writes the text through an ordinary function call."""
+    description = f.string(item, "description", f"{where}.description") or ""
+    fmt = f.obj(item, "format", f"{where}.format") or {}
+    how = "Put the tool's whole input, as free-form text, in the `input` string."
+    if fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
+        how += f" The text must follow this {fmt.get('syntax') or 'grammar'} grammar:\n{fmt['definition']}"
+    return Tool(
+        name=name,
+        description=f"{description}\n\n{how}".strip(),
+        parameters={"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]},
+    )
+
+
+def parse_tools(raw: Any) -> tuple[list[Tool], ToolOrigins]:
+    """The Responses `tools` array -> the function tools the model may call, and where each came
+    from. `function` tools as they are; the functions of a `namespace` tool flattened to
+    `namespace__name`; a `custom` tool as a function of one string. Every other kind is a tool
+    only OpenAI's servers run (web_search, file_search, local_shell, mcp, ...): left out, named
+    in a debug line, never refused, so an agent that always declares them still works."""
+    tools: list[Tool] = []
+    origins: ToolOrigins = {}
+    skipped: list[str] = []
+
+    def add(item: dict[str, Any], where: str, namespace: str | None) -> None:
+        kind = f.string(item, "type", f"{where}.type") or "function"
+        if kind == "namespace" and namespace is None:
+            ns = f.string(item, "name", f"{where}.name", required=True) or ""
+            for sub_where, sub in f.objects(item.get("tools"), f"{where}.tools"):
+                add(sub, sub_where, ns)
+            return
+        if kind not in ("function", "custom"):
+            skipped.append(kind if namespace is None else f"{namespace}.{kind}")
+            return
+        name = f.string(item, "name", f"{where}.name", required=True) or ""
+        flat = name if namespace is None else flat_tool_name(namespace, name)
+        if flat in origins:
+            raise invalid(f"'{where}.name' {flat!r} is declared twice", f"{where}.name")
+        origins[flat] = ToolOrigin(name=name, namespace=namespace, custom=kind == "custom")
+        tools.append((_custom_tool if kind == "custom" else _function_tool)(item, where, flat))
+
+    for where, item in f.objects(raw, "tools"):
+        add(item, where, None)
+    if skipped:
+        log.debug("tools this server cannot run, left out of the prompt: %s", ", ".join(skipped))
+    return tools, origins
+
 
 # ---------------------------------------------------------------- parsing
 
@@ -64,6 +165,25 @@ def _text_of(raw: Any, where: str) -> str:
 
 
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+# Items that record what a hosted tool did: kept in an agent's history, skipped here.
+_HOSTED_CALL_ITEMS = frozenset(
+    {
+        "web_search_call",
+        "file_search_call",
+        "image_generation_call",
+        "code_interpreter_call",
+        "computer_call",
+        "computer_call_output",
+        "local_shell_call",
+        "local_shell_call_output",
+        "mcp_call",
+        "mcp_list_tools",
+        "mcp_approval_request",
+        "mcp_approval_response",
+        "tool_search_call",
+        "tool_search_output",
+    }
+)
 
 
 def parse_input(raw: Any, instructions: str | None) -> list[Message]:
@@ -112,14 +232,21 @@ def parse_input(raw: Any, instructions: str | None) -> list[Message]:
             parts = item.get("content") or item.get("summary") or []
             reasoning = _text_of(parts, f"{where}.content") or None
             turn = None
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
             call_id = f.string(item, "call_id", f"{where}.call_id", required=True) or ""
             name = f.string(item, "name", f"{where}.name", required=True) or ""
-            arguments = f.string(item, "arguments", f"{where}.arguments") or "{}"
+            namespace = f.string(item, "namespace", f"{where}.namespace")
+            if namespace:
+                name = flat_tool_name(namespace, name)
+            if kind == "custom_tool_call":
+                text = f.string(item, "input", f"{where}.input") or ""
+                arguments = orjson.dumps({"input": text}).decode()
+            else:
+                arguments = f.string(item, "arguments", f"{where}.arguments") or "{}"
             call = ToolCall(id=call_id, name=name, arguments=arguments)
             assistant_turn(new=False).tool_calls.append(call)
             calls[call_id] = call
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             answers = f.string(item, "call_id", f"{where}.call_id")
             named = f.string(item, "name", f"{where}.name")
             found = calls.get(answers) if answers else None
@@ -141,6 +268,10 @@ def parse_input(raw: Any, instructions: str | None) -> list[Message]:
                     name=found.name if found is not None else named,
                 )
             )
+            turn = None
+        elif kind in _HOSTED_CALL_ITEMS:
+            # A call a hosted tool made (on another server): nothing here can render or redo it.
+            log.debug("input item %s (%s) left out: this server runs no hosted tools", where, kind)
             turn = None
         elif kind == "item_reference":
             raise invalid(
@@ -173,6 +304,11 @@ _NEEDS_STORAGE = {
 
 
 def parse_request(body: dict[str, Any]) -> ChatRequest:
+    return parse_body(body)[0]
+
+
+def parse_body(body: dict[str, Any]) -> tuple[ChatRequest, ToolOrigins]:
+    """The body -> the request, and where each of its tools came from (see `parse_tools`)."""
     for key, advice in _NEEDS_STORAGE.items():
         if body.get(key) is not None:
             raise invalid(f"'{key}' is not supported: this server stores nothing; {advice}", key)
@@ -181,7 +317,7 @@ def parse_request(body: dict[str, Any]) -> ChatRequest:
             "'background' is not supported: this server stores nothing; stream instead", "background"
         )
     f.boolean(body, "store", False)  # accepted; nothing is stored either way
-    model = f.string(body, "model", required=True) or ""
+    model = f.string(body, "model") or ""  # none: the --fallback-model's, else a 400 (plan.py)
     instructions = f.string(body, "instructions")
     messages = parse_input(f.req(body, "input"), instructions)
     sampling = parse_temperature_top_p(body, max_temperature=2.0)
@@ -190,17 +326,31 @@ def parse_request(body: dict[str, Any]) -> ChatRequest:
     if top is not None or "message.output_text.logprobs" in include:
         sampling.logprobs, sampling.top_logprobs = True, top or 0
     reasoning = f.obj(body, "reasoning") or {}
+    tools, origins = parse_tools(body.get("tools"))
     request = ChatRequest(
         model=model,
         messages=messages,
-        **parse_tool_fields(body, nested=False),
+        tools=tools,
+        tool_choice=parse_tool_choice(_flat_choice(body.get("tool_choice"))),
+        parallel_tool_calls=f.boolean(body, "parallel_tool_calls", True),
         response_format=parse_text_format(body.get("text")),
         sampling=sampling,
         max_tokens=f.integer(body, "max_output_tokens", minimum=1),
         stream=f.boolean(body, "stream", False),
         reasoning_effort=parse_effort(reasoning.get("effort"), "reasoning.effort"),
     )
-    return request
+    return request, origins
+
+
+def _flat_choice(raw: Any) -> Any:
+    """A `tool_choice` naming a custom tool or a namespaced function, as the function choice the
+    model sees."""
+    if not isinstance(raw, dict) or raw.get("type") not in ("function", "custom"):
+        return raw
+    name, namespace = raw.get("name"), raw.get("namespace")
+    if isinstance(name, str) and isinstance(namespace, str) and namespace:
+        name = flat_tool_name(namespace, name)
+    return {"type": "function", "name": name}
 
 
 # ---------------------------------------------------------------- rendering
@@ -272,6 +422,9 @@ def response_skeleton(plan: Plan, body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+_ANSWERS = ("message", "function_call", "custom_tool_call")
+
+
 class ResponseBuilder:
     """Events in, output items and `response.*` stream events out (see the module docstring).
 
@@ -280,8 +433,11 @@ class ResponseBuilder:
     exist.
     """
 
-    def __init__(self, skeleton: dict[str, Any], *, summarize: bool) -> None:
+    def __init__(
+        self, skeleton: dict[str, Any], *, summarize: bool, origins: ToolOrigins | None = None
+    ) -> None:
         self.response = skeleton
+        self.origins = origins or {}  # flat tool name -> how the caller declared it
         self.summarize = summarize  # `reasoning.summary` asked for: the reasoning is its own summary
         self.num_events = 0
         self.item: dict[str, Any] | None = None  # the open output item
@@ -374,6 +530,18 @@ class ResponseBuilder:
                     "response.function_call_arguments.done", **where, name=item["name"], arguments=text
                 )
             )
+        elif item["type"] == "custom_tool_call":
+            # The model wrote {"input": "..."}; the caller gets the text. Held until the call is
+            # whole: a fragment of JSON is not a fragment of the text.
+            try:
+                args = orjson.loads(text)
+            except orjson.JSONDecodeError:
+                args = None
+            value = args.get("input") if isinstance(args, dict) else None
+            item["input"] = value if isinstance(value, str) else text
+            if item["input"]:
+                out.append(self._event("response.custom_tool_call_input.delta", **where, delta=item["input"]))
+            out.append(self._event("response.custom_tool_call_input.done", **where, input=item["input"]))
         item["status"] = status
         out.append(self._event("response.output_item.done", output_index=where["output_index"], item=item))
         self.item = None
@@ -423,15 +591,9 @@ class ResponseBuilder:
         elif isinstance(event, ToolCallStart):
             out += self._close()
             self.held = ""
-            item = {
-                "id": new_id("fc_"),
-                "type": "function_call",
-                "status": "in_progress",
-                "call_id": CALL_PREFIX + event.id,
-                "name": event.name,
-                "arguments": "",
-            }
-            out += self._open(item)
+            out += self._open(self._call_item(event))
+        elif isinstance(event, ToolCallArgs) and self._is_open("custom_tool_call"):
+            self.parts.append(event.delta)
         elif isinstance(event, ToolCallArgs) and self._is_open("function_call") and event.delta:
             self.parts.append(event.delta)
             out.append(
@@ -439,14 +601,27 @@ class ResponseBuilder:
             )
         return out
 
+    def _call_item(self, event: ToolCallStart) -> dict[str, Any]:
+        origin = self.origins.get(event.name) or ToolOrigin(event.name)
+        call_id = CALL_PREFIX + event.id
+        if origin.custom:
+            item = {"id": new_id("ctc_"), "type": "custom_tool_call", "status": "in_progress"}
+            return {**item, "call_id": call_id, "name": origin.name, "input": ""}
+        item = {"id": new_id("fc_"), "type": "function_call", "status": "in_progress", "call_id": call_id}
+        item["name"] = origin.name
+        if origin.namespace is not None:
+            item["namespace"] = origin.namespace
+        item["arguments"] = ""
+        return item
+
     def finish(self, finish: Finish) -> list[dict[str, Any]]:
         truncated = finish.reason == "length"
         out: list[dict[str, Any]] = []
-        has_answer = any(i["type"] in ("message", "function_call") for i in self.output)
+        has_answer = any(i["type"] in _ANSWERS for i in self.output)
         if self.held and not has_answer:  # whitespace was the whole answer: keep it
             out += self._text("", [], force=True)
         out += self._close("incomplete" if truncated else "completed")
-        if not any(i["type"] in ("message", "function_call") for i in self.output):
+        if not any(i["type"] in _ANSWERS for i in self.output):
             # Nothing but reasoning (or nothing at all): an empty message keeps output_text defined.
             out += self._text("", [], force=True)
             out += self._close("incomplete" if truncated else "completed")
@@ -476,11 +651,12 @@ def _sse(event: dict[str, Any]) -> bytes:
 
 async def create_response(request: Request) -> Response:
     body = await read_json(request)
-    chat = parse_request(body)
+    chat, origins = parse_body(body)
+    chat.cache_salt = cache_salt(request, body)
     plan = make_plan(chat, state_of(request).registry)
     reasoning = body.get("reasoning")
     summarize = isinstance(reasoning, dict) and reasoning.get("summary") not in (None, "none")
-    builder = ResponseBuilder(response_skeleton(plan, body), summarize=summarize)
+    builder = ResponseBuilder(response_skeleton(plan, body), summarize=summarize, origins=origins)
 
     if not chat.stream:
         # The builder is this API's accumulator: the same one renders the stream.

@@ -76,7 +76,9 @@ class BlockManager:
     """Which KV blocks hold what: reference counts, the prefix cache, LRU eviction.
 
     A full block that a sequence has computed is registered under its chain key: a hash of the
-    previous block's key and the block's token ids, so a key names a whole prefix. A new
+    previous block's key and the block's token ids, so a key names a whole prefix. The first
+    block's "previous key" is the sequence's cache salt (`root_key`): sequences with different
+    salts never share a block, so one tenant cannot time another's prompts through cache hits. A new
     sequence walks its prompt block by block and shares every block already registered (its
     reference count goes up; nothing is recomputed). A block nobody references keeps its
     contents and stays findable in an LRU line until its slot is needed: never-used blocks are
@@ -161,13 +163,19 @@ class BlockManager:
     def chain_key(parent: int | None, block_ids: tuple[int, ...]) -> int:
         return hash((parent, block_ids))
 
-    def match_prefix(self, token_ids: list[int]) -> tuple[list[int], int | None]:
-        """Registered blocks covering the longest cached prefix of `token_ids` (full blocks,
-        leaving at least one token to compute), and the chain key of the last one."""
+    @staticmethod
+    def root_key(salt: str | None) -> int | None:
+        """The chain key a sequence's first block hangs from: None unsalted, else the salt's."""
+        return None if salt is None else hash(("cache_salt", salt))
+
+    def match_prefix(self, token_ids: list[int], salt: str | None = None) -> tuple[list[int], int | None]:
+        """Registered blocks covering the longest cached prefix of `token_ids` under `salt` (full
+        blocks, leaving at least one token to compute), and the chain key of the last one (the
+        salt's root key when there is none)."""
+        key = self.root_key(salt)
         if not self.enable_prefix_caching:
-            return [], None
+            return [], key
         hits: list[int] = []
-        key: int | None = None
         bs = self.block_size
         # the last token is always computed: its logits start the generation
         for start in range(0, len(token_ids) - 1 - bs + 1, bs):

@@ -138,7 +138,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, batch: ScheduledBatch, budget: int) -> bool:
         assert not seq.block_table and seq.num_computed_tokens == 0
-        hits, key = self.blocks.match_prefix(seq.token_ids)
+        hits, key = self.blocks.match_prefix(seq.token_ids, seq.config.cache_salt)
         num_computed = len(hits) * self.blocks.block_size
         n = min(seq.num_tokens - num_computed, budget)
         needed = self.blocks.num_blocks_for(num_computed + n) - len(hits)
@@ -225,7 +225,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.release(seq.block_table)
         seq.num_computed_tokens = 0
-        seq.num_hashed_blocks, seq.last_block_key = 0, None
+        seq.num_hashed_blocks, seq.last_block_key = 0, self.blocks.root_key(seq.config.cache_salt)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING

@@ -15,7 +15,7 @@ from turbospark.backend import NO_SAMPLING_DEFAULTS, ChatModel, ReasoningEffort,
 from turbospark.engine.scheduler import SchedulerConfig
 from turbospark.limits import Limits
 from turbospark.ratecontrol import RateControl, parse_thermal_steps, temperature_source
-from turbospark.registry import ModelRegistry, ServedModel, model_kinds
+from turbospark.registry import DEFAULT_KEEP_ALIVE, ModelRegistry, ServedModel, model_kinds
 from turbospark.scripted import DEMO_MAX_CONTEXT, DEMO_REPLY, ScriptedChatModel
 from turbospark.toolcalls.guardrails import GuardrailConfig
 
@@ -91,36 +91,61 @@ def model_specs(args: argparse.Namespace) -> list[str]:
     return ["smollm2", EMBEDDING_MODEL]
 
 
-def load_into(registry: ModelRegistry, args: argparse.Namespace) -> None:
-    """Loads every --model into the registry; /health answers 503 until the last one is in."""
+def served_model(spec: str, args: argparse.Namespace, rate: RateControl | None) -> ServedModel:
+    """`spec` loaded and wrapped in the server's policy (guardrails, system prompt, reasoning,
+    sampling defaults): what serve preloads and what the registry loads on demand."""
     system = args.system
     if args.system_file:
         system = Path(args.system_file).read_text(encoding="utf-8")
+    try:
+        backend = load_model(spec, args, rate)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model {spec!r}: {type(exc).__name__}: {exc}") from exc
+    served = ServedModel(
+        backend,
+        guardrails=GuardrailConfig(enabled=not args.no_guardrails),
+        default_system=system,
+        default_reasoning=ReasoningEffort(args.reasoning or ReasoningEffort.OFF),
+        # None: the model's own recommendation, else the built-in truncation
+        sampling=NO_SAMPLING_DEFAULTS if args.sampling_defaults == "none" else None,
+    )
+    if "completion" in model_kinds(backend):
+        log.info(
+            "%s: unset sampler settings default to %s",
+            backend.model_id,
+            describe(served.sampling_defaults),
+        )
+    return served
+
+
+def build_registry(args: argparse.Namespace) -> ModelRegistry:
+    """The server's registry: its store (packaged, pulled and --model-dir models) and a loader
+    that builds any of them on a request's demand, under --max-loaded-models and --keep-alive."""
+    from turbospark.store import ModelStore
+
     rate = rate_control(args)
     metrics.watch_rate(rate)
+    num_given = len(args.model or ())
+    return ModelRegistry(
+        fallback=args.fallback_model,
+        limits=limits_from(args),
+        store=ModelStore(args.model_dir or ()),
+        loader=lambda spec: served_model(spec, args, rate),
+        max_loaded=args.max_loaded_models or max(3, num_given + 1),
+        keep_alive=args.keep_alive,
+    )
+
+
+def load_into(registry: ModelRegistry, args: argparse.Namespace) -> None:
+    """Loads every --model into the registry, pinned; /health answers 503 until the last one is
+    in. Other models in the store load on a request's demand (`registry.loader`)."""
+    assert registry.loader is not None
     for spec in model_specs(args):
-        try:
-            backend = load_model(spec, args, rate)
-        except Exception as exc:
-            raise ModelLoadError(f"cannot load model {spec!r}: {type(exc).__name__}: {exc}") from exc
-        served = registry.add(
-            ServedModel(
-                backend,
-                guardrails=GuardrailConfig(enabled=not args.no_guardrails),
-                default_system=system,
-                default_reasoning=ReasoningEffort(args.reasoning or ReasoningEffort.OFF),
-                # None: the model's own recommendation, else the built-in truncation
-                sampling=NO_SAMPLING_DEFAULTS if args.sampling_defaults == "none" else None,
-            )
-        )
+        served = registry.add(registry.loader(spec))  # keep_alive None: pinned
+        if registry.store is not None:
+            registry.store.remember(served.model_id, spec)
         registry.num_loading -= 1
-        log.info("serving %s (aliases: %s)", backend.model_id, ", ".join(served.names()[1:]))
-        if "completion" in model_kinds(backend):
-            log.info(
-                "%s: unset sampler settings default to %s",
-                backend.model_id,
-                describe(served.sampling_defaults),
-            )
+        log.info("serving %s (aliases: %s)", served.model_id, ", ".join(served.names()[1:]))
 
 
 def describe(sampling: SamplingDefaults) -> str:
@@ -187,8 +212,8 @@ def serve(args: argparse.Namespace) -> int:
         log.error("--system-file %s: no such file", args.system_file)
         return 2
     limits = limits_from(args)
-    registry = ModelRegistry(fallback=args.fallback_model, limits=limits)
     args.model = model_specs(args)
+    registry = build_registry(args)
     registry.num_loading = len(args.model)
     state = ServerState(registry=registry, api_keys=keys, max_body_bytes=limits.max_body_bytes)
     app = create_app(state, cors_origins=args.cors_origins or ())
@@ -234,6 +259,20 @@ def chat(args: argparse.Namespace) -> int:
     )
 
 
+def keep_alive_arg(value: str) -> float | None:
+    """Seconds (None: for ever) from a number or a duration, as Ollama's keep_alive."""
+    from turbospark.api.ollama import parse_keep_alive
+    from turbospark.errors import ApiError
+
+    try:
+        seconds = parse_keep_alive(value)
+    except ApiError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a number of seconds or a duration like 5m"
+        ) from None
+    return None if seconds is None or seconds < 0 else seconds
+
+
 def positive_int(value: str) -> int:
     try:
         n = int(value)
@@ -259,6 +298,26 @@ def parser() -> argparse.ArgumentParser:
         "'all-minilm-l6-v2' (the packaged embedding model); repeatable (default: both of those)",
     )
     s.add_argument("--fallback-model", help="serve requests for unknown model ids with this model")
+    s.add_argument(
+        "--model-dir",
+        action="append",
+        help="a folder of GGUF files and Hugging Face checkpoint folders, each served by its name "
+        "and loaded on its first request; repeatable",
+    )
+    s.add_argument(
+        "--max-loaded-models",
+        type=positive_int,
+        default=None,
+        help="models loaded at once; loading another unloads the least recently used idle one "
+        "(default: 3, or one more than the --model count)",
+    )
+    s.add_argument(
+        "--keep-alive",
+        type=keep_alive_arg,
+        default=DEFAULT_KEEP_ALIVE,
+        help="how long a model loaded on demand stays loaded after its last request: seconds or a "
+        "duration (5m, 1h), negative for ever (default 5m); --model ones stay loaded",
+    )
     group = s.add_mutually_exclusive_group()
     group.add_argument("--system", help="default system prompt for requests that carry none")
     group.add_argument("--system-file", help="read the default system prompt from this file")

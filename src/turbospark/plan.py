@@ -190,7 +190,8 @@ def _with_default_system(messages: list[Message], system: str | None) -> list[Me
 def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
     check_request(request, registry.limits)
     tools = callable_tools(request)  # the request alone decides this: refused before any lookup
-    served = registry.resolve(request.model)
+    # the model stays loaded while the request (and so its plan and generation) lives
+    served = registry.resolve(request.model, holder=request)
     backend = served.backend
     if backend.vision() is None and request.images():
         # Refused here, by name: a text-only template cannot even render image parts.

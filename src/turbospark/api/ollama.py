@@ -409,9 +409,20 @@ async def _generate(request: Request, chat_api: bool) -> Response:
     chat, keep_alive = parse(body)
     registry = state_of(request).registry
     if not chat.messages and chat.prompt is None:
-        registry.resolve(chat.model)  # an unknown model is still a 404
+        if keep_alive == 0:  # unload: a model that is not loaded stays so
+            loaded = registry.lookup(chat.model)
+            if loaded is not None:
+                registry.set_keep_alive(loaded, 0)
+                registry.unload(loaded)  # not while sequences run: the reaper does, once they end
+            elif not registry.loadable(chat.model):
+                registry.resolve(chat.model)  # an unknown model is still a 404
+        else:
+            registry.set_keep_alive(registry.resolve(chat.model), keep_alive)  # loads it
         return _respond(_load_reply(chat.model, keep_alive, chat_api), chat.stream)
     plan = make_plan(chat, registry)
+    served = registry.lookup(chat.model)
+    if served is not None and served.backend is plan.backend:
+        registry.set_keep_alive(served, keep_alive)
     if chat.stream:
         return await _stream(request, plan, started, chat_api)
 
@@ -530,27 +541,66 @@ def _listing(backend: ChatModel) -> dict[str, Any]:
 
 
 async def tags(request: Request) -> Response:
+    """Every model this server can serve, loaded or not (the store's, with file sizes and
+    times), and loaded ones the store does not list."""
     registry = state_of(request).registry
     modified = _rfc3339(registry.created)
-    models = [
-        _listing(b) | {"modified_at": modified, "capabilities": capabilities(b)} for b in registry.backends()
+    models = []
+    listed: set[str] = set()
+    for entry in registry.store.entries() if registry.store is not None else []:
+        loaded = registry.lookup(entry.name)
+        name = ollama_name(entry.name)
+        item: dict[str, Any] = {
+            "name": name,
+            "model": name,
+            "modified_at": _rfc3339(entry.modified) if entry.modified else modified,
+            "size": entry.size,
+            "digest": entry.digest(),
+        }
+        if loaded is not None:
+            item["details"] = model_details(loaded.backend)
+            item["capabilities"] = capabilities(loaded.backend)
+            listed.add(loaded.model_id)
+        else:
+            item["details"] = {
+                "parent_model": "",
+                "format": entry.format,
+                "family": entry.family,
+                "families": [entry.family] if entry.family else None,
+                "parameter_size": "",
+                "quantization_level": "",
+            }
+            item["capabilities"] = entry.kinds
+        models.append(item)
+    models += [
+        _listing(b) | {"modified_at": modified, "capabilities": capabilities(b)}
+        for b in registry.backends()
+        if b.model_id not in listed
     ]
     return JSONResponse({"models": models})
 
 
+_FOREVER = timedelta(days=365 * 100)  # Ollama shows a pinned model's expiry as a far-off date
+
+
 async def ps(request: Request) -> Response:
+    """The loaded models, with when each unloads if no request comes (`expires_at`)."""
     registry = state_of(request).registry
-    # Models stay loaded for the life of the server; Ollama shows "forever" as a far-off date.
-    expires = _rfc3339((datetime.now(UTC) + timedelta(days=365 * 100)).timestamp())
-    models = [
-        _listing(b)
-        | {
-            "expires_at": expires,
-            "size_vram": 0 if b.details().device == "cpu" else b.details().size_bytes,
-            "context_length": b.max_context,
-        }
-        for b in registry.backends()
-    ]
+    models = []
+    for served in registry.served():
+        b = served.backend
+        expires = registry.expires_at(served)
+        when = (datetime.now(UTC) + _FOREVER).timestamp() if expires is None else expires
+        models.append(
+            _listing(b)
+            | {
+                "name": ollama_name(served.store_name or b.model_id),
+                "model": ollama_name(served.store_name or b.model_id),
+                "expires_at": _rfc3339(when),
+                "size_vram": 0 if b.details().device == "cpu" else b.details().size_bytes,
+                "context_length": b.max_context,
+            }
+        )
     return JSONResponse({"models": models})
 
 

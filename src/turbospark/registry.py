@@ -190,6 +190,20 @@ class ModelRegistry:
             found = self.store.find(name[len(CLAUDE_CODE_ALIAS_PREFIX) :])
         return found
 
+    def _copy_of_loaded(self, name: str) -> ServedModel | None:
+        """For a copy's name (`/api/copy`) whose original is loaded: that model, now routed by
+        the copy's name too (one load serves every name of a model)."""
+        from turbospark.store import base_name
+
+        entry = self.store_entry(name)
+        if entry is None or not entry.target:
+            return None
+        with self._lock:
+            found = self.lookup(entry.target)
+            if found is not None:
+                self._by_name[base_name(name)] = found
+            return found
+
     def loadable(self, name: str) -> bool:
         return self.loader is not None and self.store_entry(name) is not None
 
@@ -197,7 +211,7 @@ class ModelRegistry:
         """The served model for `name`; with `holder` (a `ChatRequest`), leased to it
         (`lease`). Raises `ModelNotLoaded` for a name the store can load, else `ApiError`."""
         with self._lock:
-            found = self.lookup(name)
+            found = self.lookup(name) or self._copy_of_loaded(name)
             if found is not None and holder is not None:
                 self.lease(found, holder)
         if found is not None:
@@ -285,7 +299,9 @@ class ModelRegistry:
                     self.store.not_found(name) if self.store else f"model {name!r} not found",
                     param="model",
                 )
-            key = base_name(entry.name)
+            if self._copy_of_loaded(name) is not None:
+                return self.load_future(name)
+            key = base_name(entry.model)
             future = self._loading.get(key)
             if future is None:
                 future = concurrent.futures.Future()

@@ -41,6 +41,12 @@ class StoreEntry:
     modified: float  # mtime, seconds since the epoch
     format: str  # "gguf" or "safetensors"
     family: str = ""  # a Hugging Face folder's model_type (read without loading); "" unknown
+    target: str = ""  # a copy's original name ("" for the others)
+
+    @property
+    def model(self) -> str:
+        """The name of the model this entry loads: a copy's original, else its own."""
+        return self.target or self.name
 
     @property
     def kinds(self) -> list[str]:
@@ -114,7 +120,7 @@ class ModelStore:
         self.model_dirs = [Path(d).expanduser() for d in model_dirs]
         self.packaged = packaged
         self._given: dict[str, str] = {}  # id -> spec of the models serve was given
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     # ---- what is there
     def remember(self, name: str, spec: str) -> None:
@@ -159,6 +165,7 @@ class ModelStore:
                         original.modified,
                         original.format,
                         original.family,
+                        target=original.name,
                     )
                 )
         return list(found.values())

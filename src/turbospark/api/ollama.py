@@ -1,4 +1,5 @@
-"""Ollama wire format: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version, `/`.
+"""Ollama wire format: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/pull,
+/api/delete, /api/copy, /api/create, /api/version, `/`.
 
 Bodies parse into `ChatRequest`; events render back as Ollama JSON objects, one per line
 (NDJSON) when streaming, which is Ollama's default (`stream` absent means true). The last line
@@ -11,16 +12,22 @@ goes to `thinking` (never into the answer), and model names are `name:tag` (the 
 `:latest`; `/api/tags` lists `<id>:latest`). An empty `messages` / `prompt` is Ollama's "load
 the model" request and answers `done_reason: "load"` (or "unload" with `keep_alive: 0`).
 
-Accepted and not applied: `keep_alive` (models stay loaded for the life of the server) and
-`options.num_ctx` (the context is fixed when the model loads), plus Ollama's runner options
-(num_gpu, num_thread, mirostat, ...). Refused with a 400: `suffix`, `template`, a non-empty
-`context`, and `images` or `system` together with `raw: true`.
+`keep_alive` is Ollama's (seconds or a duration; 0 unloads once the reply is done, negative
+pins; absent: the server's `--keep-alive`), applied by the registry. The store's routes:
+`/api/pull` (progress lines from `engine.pull.pull_steps`), `/api/delete`, `/api/copy` (a
+name kept on disk) and `/api/create` with only `from` (a copy; anything more is refused by name).
+
+Accepted and not applied: `options.num_ctx` (the context is fixed when the model loads), plus
+Ollama's runner options (num_gpu, num_thread, mirostat, ...). Refused with a 400: `suffix`,
+`template`, a non-empty `context`, and `images` or `system` together with `raw: true`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
+import threading
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -46,11 +53,12 @@ from turbospark.api.kit import (
 from turbospark.api.parsing import parse_function_tools, parse_tool_calls
 from turbospark.backend import ChatModel, ReasoningEffort
 from turbospark.chat_template import CHATML_TEMPLATE
-from turbospark.errors import ApiError, invalid
+from turbospark.errors import ApiError, ErrorKind, invalid
 from turbospark.events import Finish, ReasoningDelta, TextDelta, TokenLogprob, ToolCallArgs, ToolCallStart
 from turbospark.plan import Plan, make_plan
 from turbospark.registry import ServedModel, model_kinds
 from turbospark.request import ChatRequest, Message, ResponseFormat, SamplingParams, ToolCall
+from turbospark.store import ModelStore
 
 # The Ollama API level this server answers as on /api/version: tools that gate features on the
 # server version (thinking, tool calls, structured outputs) see one that has them all.
@@ -674,6 +682,156 @@ async def show(request: Request) -> Response:
     )
 
 
+# ---------------------------------------------------------------- the store: pull, delete, copy, create
+
+
+def _model_name(body: dict[str, Any]) -> str:
+    # current clients send `model`, older ones `name`
+    model, name = f.string(body, "model"), f.string(body, "name")
+    if not (model or name):
+        raise invalid("'model' is required", "model")
+    return model or name or ""
+
+
+def _store(request: Request) -> ModelStore:
+    store = state_of(request).registry.store
+    if store is None:
+        raise ApiError(ErrorKind.NOT_FOUND, "this server has no model store: models are fixed at start")
+    return store
+
+
+async def pull_model(request: Request) -> Response:
+    """Ollama's /api/pull: progress lines (NDJSON, or the last one alone with `stream: false`)."""
+    from turbospark.engine.checkpoint import ModelLoadError
+    from turbospark.engine.pull import PULLABLE, pull_steps
+
+    body = await read_json(request)
+    name = _model_name(body)
+    stream = f.boolean(body, "stream", True)
+    f.boolean(body, "insecure", False)  # accepted: there is no remote registry to trust or not
+    _store(request)
+    wanted = name[: -len(":latest")] if name.endswith(":latest") else name
+    if wanted not in PULLABLE:
+        raise ApiError(
+            ErrorKind.NOT_FOUND,
+            f"model {name!r} cannot be pulled; pullable: {', '.join(PULLABLE)}",
+            param="model",
+        )
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
+
+    def work() -> None:
+        try:
+            for step in pull_steps(wanted):
+                loop.call_soon_threadsafe(queue.put_nowait, step)
+        except BaseException as exc:  # handed to the stream, which renders it
+            loop.call_soon_threadsafe(queue.put_nowait, exc)
+        loop.call_soon_threadsafe(queue.put_nowait, None)
+
+    threading.Thread(target=work, name=f"pull-{wanted}", daemon=True).start()
+
+    def failure(exc: BaseException) -> ApiError:
+        if isinstance(exc, ApiError):
+            return exc
+        if isinstance(exc, ModelLoadError):
+            return ApiError(ErrorKind.INTERNAL, f"pull {name!r} failed: {exc}")
+        return ApiError(ErrorKind.INTERNAL, f"pull {name!r} failed: {type(exc).__name__}: {exc}")
+
+    if not stream:
+        last: dict[str, Any] = {}
+        while (item := await queue.get()) is not None:
+            if isinstance(item, BaseException):
+                raise failure(item)
+            last = item
+        return JSONResponse(last)
+
+    async def lines() -> AsyncIterator[bytes]:
+        while (item := await queue.get()) is not None:
+            if isinstance(item, BaseException):
+                yield ndjson_line(ollama_error_body(failure(item)))
+                return
+            yield ndjson_line(item)
+
+    return ndjson_response(lines())
+
+
+async def delete_model(request: Request) -> Response:
+    """Ollama's /api/delete: a copy's name, or a pulled model's file. A loaded model is unloaded
+    first; one that is generating is a 409."""
+    body = await read_json(request)
+    name = _model_name(body)
+    store = _store(request)
+    registry = state_of(request).registry
+    loaded = registry.lookup(name)
+    if loaded is not None and not registry.unload(loaded):
+        raise ApiError(
+            ErrorKind.INVALID_REQUEST,
+            f"model {name!r} is generating; delete it once its requests are done",
+            param="model",
+            status=409,
+        )
+    try:
+        store.delete(name)
+    except KeyError as exc:
+        raise ApiError(ErrorKind.NOT_FOUND, str(exc.args[0]), param="model") from None
+    except PermissionError as exc:
+        raise ApiError(ErrorKind.INVALID_REQUEST, str(exc), param="model") from None
+    return Response(status_code=200)
+
+
+async def copy_model(request: Request) -> Response:
+    """Ollama's /api/copy: the source model also answers to `destination` (kept on disk)."""
+    body = await read_json(request)
+    source = f.string(body, "source", required=True) or ""
+    destination = f.string(body, "destination", required=True) or ""
+    _copy(request, source, destination)
+    return Response(status_code=200)
+
+
+def _copy(request: Request, source: str, destination: str) -> None:
+    try:
+        _store(request).copy(source, destination)
+    except KeyError as exc:
+        raise ApiError(ErrorKind.NOT_FOUND, str(exc.args[0]), param="source") from None
+    except ValueError as exc:
+        raise ApiError(ErrorKind.INVALID_REQUEST, str(exc), param="destination") from None
+
+
+_CREATE_UNSUPPORTED = (
+    "files",
+    "adapters",
+    "template",
+    "license",
+    "system",
+    "parameters",
+    "messages",
+    "quantize",
+    "modelfile",
+    "path",
+)
+
+
+async def create_model(request: Request) -> Response:
+    """Ollama's /api/create: only the form that names an existing model under a new name
+    (`from` and nothing else) is served, as a copy; everything else is refused by name."""
+    body = await read_json(request)
+    name = _model_name(body)
+    sent = [key for key in _CREATE_UNSUPPORTED if body.get(key) not in (None, "", [], {})]
+    if sent:
+        raise invalid(
+            f"creating models is not supported by this server ({', '.join(sent)}): put a GGUF file or a "
+            "Hugging Face folder in a --model-dir folder, or copy a model under another name with "
+            "/api/copy or a create with only 'from'",
+            sent[0],
+        )
+    source = f.string(body, "from")
+    if not source:
+        raise invalid("'from' is required: the model to create this one from", "from")
+    _copy(request, source, name)
+    success = {"status": "success"}
+    return _respond(success, f.boolean(body, "stream", True))
+
+
 async def version(request: Request) -> Response:
     return JSONResponse({"version": OLLAMA_API_VERSION})
 
@@ -694,4 +852,8 @@ def routes() -> list[Route]:
         Route("/api/tags", wrap(tags), methods=["GET"]),
         Route("/api/show", wrap(show), methods=["POST"]),
         Route("/api/ps", wrap(ps), methods=["GET"]),
+        Route("/api/pull", wrap(pull_model), methods=["POST"]),
+        Route("/api/delete", wrap(delete_model), methods=["DELETE"]),
+        Route("/api/copy", wrap(copy_model), methods=["POST"]),
+        Route("/api/create", wrap(create_model), methods=["POST"]),
     ]

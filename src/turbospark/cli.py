@@ -344,6 +344,24 @@ def cp(args: argparse.Namespace) -> int:
     return 0
 
 
+def launch(args: argparse.Namespace) -> int:
+    from turbospark.launch import LaunchError
+    from turbospark.launch import launch as run_agent
+
+    try:
+        return run_agent(
+            args.agent,
+            model=args.model,
+            host=args.host,
+            port=args.port,
+            agent_args=args.agent_args,
+            model_dirs=args.model_dir or (),
+        )
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 127 if "not on PATH" in str(exc) else 1
+
+
 def chat(args: argparse.Namespace) -> int:
     from turbospark.chat import run_chat
 
@@ -548,6 +566,18 @@ def parser() -> argparse.ArgumentParser:
     cc.add_argument("--model-dir", action="append", help="the folders serve is given, to find the source")
     cc.set_defaults(func=cp)
 
+    la = sub.add_parser(
+        "launch",
+        help="run an agent (claude) on a local model: starts a server if none answers",
+        usage="turbospark launch claude [--model M] [--host H] [--port P] [-- AGENT ARGS]",
+    )
+    la.add_argument("agent", choices=["claude"])
+    la.add_argument("--model", help="default: the smallest model whose context holds the agent's prompt")
+    la.add_argument("--host", default="127.0.0.1")
+    la.add_argument("--port", type=int, default=8000)
+    la.add_argument("--model-dir", action="append", help="as for serve")
+    la.set_defaults(func=launch, agent_args=[])
+
     c = sub.add_parser("chat", help="chat with a model in the terminal")
     c.add_argument("--model", help="as for serve (default: the embedded smollm2)")
     c.add_argument("--system", help="system prompt")
@@ -563,7 +593,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    rest: list[str] = []
+    if given[:1] == ["launch"] and "--" in given:  # what follows `--` goes to the agent
+        cut = given.index("--")
+        given, rest = given[:cut], given[cut + 1 :]
+    args = parser().parse_args(given)
+    if rest:
+        args.agent_args = rest
     level = getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     result: int = args.func(args)

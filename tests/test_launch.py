@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,39 @@ def test_execs_the_agent_with_every_tier_on_the_local_model(tmp_path: Path) -> N
         assert env[tier] == alias, tier
     assert env["DISABLE_TELEMETRY"] == "1" and env["CLAUDE_CODE_ATTRIBUTION_HEADER"] == "0"
     assert env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
+
+
+def test_starts_a_server_when_none_answers_and_stops_it_after(tmp_path: Path) -> None:
+    """No server on the port: launch starts one for the model, the agent talks to it, and the
+    server is gone once the agent exits."""
+    record = tmp_path / "record.json"
+    fake = tmp_path / "bin" / "claude"
+    fake.parent.mkdir()
+    fake.write_text(
+        f"#!{sys.executable}\nimport json, os, sys, urllib.request\n"
+        "body = urllib.request.urlopen(os.environ['ANTHROPIC_BASE_URL'] + '/v1/models').read()\n"
+        f"open({str(record)!r}, 'wb').write(body)\n"
+    )
+    fake.chmod(0o755)
+    port = free_port()
+    done = subprocess.run(
+        [*LAUNCH, "--model", "scripted", "--port", str(port)],
+        env={
+            "PATH": f"{fake.parent}:{os.environ['PATH']}",
+            "PYTHONPATH": SRC,
+            "HOME": str(tmp_path),
+            "TURBOSPARK_CACHE": str(tmp_path / "cache"),
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "started a server for scripted" in done.stderr
+    ids = {m["id"] for m in json.loads(record.read_text())["data"]}
+    assert "claude-turbospark-scripted" in ids
+    with pytest.raises(OSError):  # stopped with the agent
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
 
 
 QWEN = pulled_path("qwen2.5-coder:0.5b")

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -133,8 +134,24 @@ def start_server(
     command = [sys.executable, "-m", "turbospark", "serve", "--host", host, "--port", str(port)]
     command += ["--model", model, *extra]
     with open(log_path, "ab") as out:
-        server = subprocess.Popen(command, stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+        server = subprocess.Popen(
+            command, stdout=out, stderr=out, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
+        )
     return server, log_path
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the server's child process: SIGTERM it when launch dies, even killed outright (a
+    launch ended with SIGKILL otherwise left its server running). Linux only; elsewhere the
+    server is stopped by launch's own exit path alone."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def launch(

@@ -1,4 +1,4 @@
-"""Command line: `turbospark serve`, `turbospark pull`, `turbospark chat`."""
+"""Command line: `turbospark serve`, `pull`, `list`, `ps`, `rm`, `cp`, `launch` and `chat`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from turbospark.backend import NO_SAMPLING_DEFAULTS, ChatModel, ReasoningEffort,
 from turbospark.engine.scheduler import SchedulerConfig
 from turbospark.limits import Limits
 from turbospark.ratecontrol import RateControl, parse_thermal_steps, temperature_source
-from turbospark.registry import ModelRegistry, ServedModel, model_kinds
+from turbospark.registry import DEFAULT_KEEP_ALIVE, ModelRegistry, ServedModel, model_kinds
 from turbospark.scripted import DEMO_MAX_CONTEXT, DEMO_REPLY, ScriptedChatModel
 from turbospark.toolcalls.guardrails import GuardrailConfig
 
@@ -91,36 +91,61 @@ def model_specs(args: argparse.Namespace) -> list[str]:
     return ["smollm2", EMBEDDING_MODEL]
 
 
-def load_into(registry: ModelRegistry, args: argparse.Namespace) -> None:
-    """Loads every --model into the registry; /health answers 503 until the last one is in."""
+def served_model(spec: str, args: argparse.Namespace, rate: RateControl | None) -> ServedModel:
+    """`spec` loaded and wrapped in the server's policy (guardrails, system prompt, reasoning,
+    sampling defaults): what serve preloads and what the registry loads on demand."""
     system = args.system
     if args.system_file:
         system = Path(args.system_file).read_text(encoding="utf-8")
+    try:
+        backend = load_model(spec, args, rate)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model {spec!r}: {type(exc).__name__}: {exc}") from exc
+    served = ServedModel(
+        backend,
+        guardrails=GuardrailConfig(enabled=not args.no_guardrails),
+        default_system=system,
+        default_reasoning=ReasoningEffort(args.reasoning or ReasoningEffort.OFF),
+        # None: the model's own recommendation, else the built-in truncation
+        sampling=NO_SAMPLING_DEFAULTS if args.sampling_defaults == "none" else None,
+    )
+    if "completion" in model_kinds(backend):
+        log.info(
+            "%s: unset sampler settings default to %s",
+            backend.model_id,
+            describe(served.sampling_defaults),
+        )
+    return served
+
+
+def build_registry(args: argparse.Namespace) -> ModelRegistry:
+    """The server's registry: its store (packaged, pulled and --model-dir models) and a loader
+    that builds any of them on a request's demand, under --max-loaded-models and --keep-alive."""
+    from turbospark.store import ModelStore
+
     rate = rate_control(args)
     metrics.watch_rate(rate)
+    num_given = len(args.model or ())
+    return ModelRegistry(
+        fallback=args.fallback_model,
+        limits=limits_from(args),
+        store=ModelStore(args.model_dir or ()),
+        loader=lambda spec: served_model(spec, args, rate),
+        max_loaded=args.max_loaded_models or max(3, num_given + 1),
+        keep_alive=args.keep_alive,
+    )
+
+
+def load_into(registry: ModelRegistry, args: argparse.Namespace) -> None:
+    """Loads every --model into the registry, pinned; /health answers 503 until the last one is
+    in. Other models in the store load on a request's demand (`registry.loader`)."""
+    assert registry.loader is not None
     for spec in model_specs(args):
-        try:
-            backend = load_model(spec, args, rate)
-        except Exception as exc:
-            raise ModelLoadError(f"cannot load model {spec!r}: {type(exc).__name__}: {exc}") from exc
-        served = registry.add(
-            ServedModel(
-                backend,
-                guardrails=GuardrailConfig(enabled=not args.no_guardrails),
-                default_system=system,
-                default_reasoning=ReasoningEffort(args.reasoning or ReasoningEffort.OFF),
-                # None: the model's own recommendation, else the built-in truncation
-                sampling=NO_SAMPLING_DEFAULTS if args.sampling_defaults == "none" else None,
-            )
-        )
+        served = registry.add(registry.loader(spec))  # keep_alive None: pinned
+        if registry.store is not None:
+            registry.store.remember(served.model_id, spec)
         registry.num_loading -= 1
-        log.info("serving %s (aliases: %s)", backend.model_id, ", ".join(served.names()[1:]))
-        if "completion" in model_kinds(backend):
-            log.info(
-                "%s: unset sampler settings default to %s",
-                backend.model_id,
-                describe(served.sampling_defaults),
-            )
+        log.info("serving %s (aliases: %s)", served.model_id, ", ".join(served.names()[1:]))
 
 
 def describe(sampling: SamplingDefaults) -> str:
@@ -187,8 +212,8 @@ def serve(args: argparse.Namespace) -> int:
         log.error("--system-file %s: no such file", args.system_file)
         return 2
     limits = limits_from(args)
-    registry = ModelRegistry(fallback=args.fallback_model, limits=limits)
     args.model = model_specs(args)
+    registry = build_registry(args)
     registry.num_loading = len(args.model)
     state = ServerState(registry=registry, api_keys=keys, max_body_bytes=limits.max_body_bytes)
     app = create_app(state, cors_origins=args.cors_origins or (), web_ui=not args.no_webui)
@@ -213,11 +238,128 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def pull(args: argparse.Namespace) -> int:
+    from turbospark.engine.checkpoint import ModelLoadError as PullError
     from turbospark.engine.pull import pull as pull_model
 
-    path = pull_model(args.name, progress=True)
+    try:
+        path = pull_model(args.name.removesuffix(":latest"), progress=True)
+    except PullError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(path)
     return 0
+
+
+def _size(num: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if num >= scale:
+            return f"{num / scale:.1f} {unit}"
+    return f"{num} B"
+
+
+def _ago(timestamp: float) -> str:
+    import time
+
+    seconds = max(0.0, time.time() - timestamp)
+    for unit, scale in (("days", 86400), ("hours", 3600), ("minutes", 60)):
+        if seconds >= scale:
+            return f"{int(seconds // scale)} {unit} ago"
+    return "just now"
+
+
+def _table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("   ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+
+
+def list_models(args: argparse.Namespace) -> int:
+    """The store as `serve` would see it (the same code), and what can still be pulled."""
+    from turbospark.store import ModelStore
+
+    store = ModelStore(args.model_dir or ())
+    rows: list[tuple[str, ...]] = [("NAME", "SIZE", "MODIFIED", "FROM")]
+    for entry in store.entries():
+        rows.append((entry.name, _size(entry.size), _ago(entry.modified), entry.source))
+    for name in store.pullable():
+        rows.append((name, "-", "-", "pullable: turbospark pull " + name))
+    _table(rows)
+    return 0
+
+
+def server_url(host: str) -> str:
+    return host if "://" in host else f"http://{host}"
+
+
+def ps(args: argparse.Namespace) -> int:
+    """The running server's loaded models (its /api/ps)."""
+    import datetime
+
+    import httpx
+
+    try:
+        reply = httpx.get(server_url(args.host) + "/api/ps", timeout=10)
+        reply.raise_for_status()
+    except httpx.HTTPError as exc:
+        print(f"error: no turbospark server answers at {args.host}: {exc}", file=sys.stderr)
+        return 1
+    rows: list[tuple[str, ...]] = [("NAME", "SIZE", "CONTEXT", "UNTIL")]
+    for model in reply.json().get("models", []):
+        until = datetime.datetime.fromisoformat(model["expires_at"].replace("Z", "+00:00"))
+        left = (until - datetime.datetime.now(datetime.UTC)).total_seconds()
+        shown = "forever" if left > 10 * 365 * 86400 else f"{max(0, int(left // 60))} minutes from now"
+        rows.append(
+            (model["name"], _size(int(model.get("size") or 0)), str(model.get("context_length", "")), shown)
+        )
+    _table(rows)
+    return 0
+
+
+def rm(args: argparse.Namespace) -> int:
+    """Deletes a pulled model or a copy (the store's code, as /api/delete runs it)."""
+    from turbospark.store import ModelStore
+
+    store = ModelStore(args.model_dir or ())
+    status = 0
+    for name in args.names:
+        try:
+            entry = store.delete(name)
+        except (KeyError, PermissionError) as exc:
+            print(f"error: {exc.args[0]}", file=sys.stderr)
+            status = 1
+            continue
+        print(f"deleted '{entry.name}'")
+    return status
+
+
+def cp(args: argparse.Namespace) -> int:
+    from turbospark.store import ModelStore
+
+    try:
+        ModelStore(args.model_dir or ()).copy(args.source, args.destination)
+    except (KeyError, ValueError) as exc:
+        print(f"error: {exc.args[0]}", file=sys.stderr)
+        return 1
+    print(f"copied '{args.source}' to '{args.destination}'")
+    return 0
+
+
+def launch(args: argparse.Namespace) -> int:
+    from turbospark.launch import LaunchError
+    from turbospark.launch import launch as run_agent
+
+    try:
+        return run_agent(
+            args.agent,
+            model=args.model,
+            host=args.host,
+            port=args.port,
+            agent_args=args.agent_args,
+            model_dirs=args.model_dir or (),
+        )
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 127 if "not on PATH" in str(exc) else 1
 
 
 def chat(args: argparse.Namespace) -> int:
@@ -232,6 +374,20 @@ def chat(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         reasoning=effort,
     )
+
+
+def keep_alive_arg(value: str) -> float | None:
+    """Seconds (None: for ever) from a number or a duration, as Ollama's keep_alive."""
+    from turbospark.api.ollama import parse_keep_alive
+    from turbospark.errors import ApiError
+
+    try:
+        seconds = parse_keep_alive(value)
+    except ApiError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a number of seconds or a duration like 5m"
+        ) from None
+    return None if seconds is None or seconds < 0 else seconds
 
 
 def positive_int(value: str) -> int:
@@ -259,6 +415,26 @@ def parser() -> argparse.ArgumentParser:
         "'all-minilm-l6-v2' (the packaged embedding model); repeatable (default: both of those)",
     )
     s.add_argument("--fallback-model", help="serve requests for unknown model ids with this model")
+    s.add_argument(
+        "--model-dir",
+        action="append",
+        help="a folder of GGUF files and Hugging Face checkpoint folders, each served by its name "
+        "and loaded on its first request; repeatable",
+    )
+    s.add_argument(
+        "--max-loaded-models",
+        type=positive_int,
+        default=None,
+        help="models loaded at once; loading another unloads the least recently used idle one "
+        "(default: 3, or one more than the --model count)",
+    )
+    s.add_argument(
+        "--keep-alive",
+        type=keep_alive_arg,
+        default=DEFAULT_KEEP_ALIVE,
+        help="how long a model loaded on demand stays loaded after its last request: seconds or a "
+        "duration (5m, 1h), negative for ever (default 5m); --model ones stay loaded",
+    )
     group = s.add_mutually_exclusive_group()
     group.add_argument("--system", help="default system prompt for requests that carry none")
     group.add_argument("--system-file", help="read the default system prompt from this file")
@@ -374,6 +550,37 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("name", help="qwen2.5-coder:0.5b or qwen2.5-coder:1.5b")
     pl.set_defaults(func=pull)
 
+    ls = sub.add_parser("list", aliases=["ls"], help="list the models serve can load, and those to pull")
+    ls.add_argument("--model-dir", action="append", help="also list this folder's models, as serve does")
+    ls.set_defaults(func=list_models)
+
+    pp = sub.add_parser("ps", help="list the models a running server has loaded")
+    pp.add_argument("--host", default=os.environ.get("TURBOSPARK_HOST", "127.0.0.1:8000"))
+    pp.set_defaults(func=ps)
+
+    rr = sub.add_parser("rm", help="delete pulled models or copies")
+    rr.add_argument("names", nargs="+", metavar="name")
+    rr.add_argument("--model-dir", action="append", help=argparse.SUPPRESS)
+    rr.set_defaults(func=rm)
+
+    cc = sub.add_parser("cp", help="serve a model under another name too")
+    cc.add_argument("source")
+    cc.add_argument("destination")
+    cc.add_argument("--model-dir", action="append", help="the folders serve is given, to find the source")
+    cc.set_defaults(func=cp)
+
+    la = sub.add_parser(
+        "launch",
+        help="run an agent (claude) on a local model: starts a server if none answers",
+        usage="turbospark launch claude [--model M] [--host H] [--port P] [-- AGENT ARGS]",
+    )
+    la.add_argument("agent", choices=["claude"])
+    la.add_argument("--model", help="default: the smallest model whose context holds the agent's prompt")
+    la.add_argument("--host", default="127.0.0.1")
+    la.add_argument("--port", type=int, default=8000)
+    la.add_argument("--model-dir", action="append", help="as for serve")
+    la.set_defaults(func=launch, agent_args=[])
+
     c = sub.add_parser("chat", help="chat with a model in the terminal")
     c.add_argument("--model", help="as for serve (default: the embedded smollm2)")
     c.add_argument("--system", help="system prompt")
@@ -389,7 +596,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    rest: list[str] = []
+    if given[:1] == ["launch"] and "--" in given:  # what follows `--` goes to the agent
+        cut = given.index("--")
+        given, rest = given[:cut], given[cut + 1 :]
+    args = parser().parse_args(given)
+    if rest:
+        args.agent_args = rest
     level = getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     result: int = args.func(args)

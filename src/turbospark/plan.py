@@ -195,7 +195,8 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
         if registry.fallback is None:
             raise invalid("'model' is required (this server has no --fallback-model)", "model")
         request.model = registry.fallback
-    served = registry.resolve(request.model)
+    # the model stays loaded while the request (and so its plan and generation) lives
+    served = registry.resolve(request.model, holder=request)
     backend = served.backend
     if backend.vision() is None and request.images():
         # Refused here, by name: a text-only template cannot even render image parts.

@@ -92,7 +92,7 @@ class SamplingParams:
     top_logprobs: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)  # weakly held: the registry's lease on its model
 class ChatRequest:
     model: str
     messages: list[Message]

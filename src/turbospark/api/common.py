@@ -29,7 +29,7 @@ from starlette.responses import Response, StreamingResponse
 from turbospark.api import fields as f
 from turbospark.api.fields import parse_json_object
 from turbospark.errors import ApiError, ErrorKind
-from turbospark.registry import ModelRegistry
+from turbospark.registry import ModelNotLoaded, ModelRegistry
 
 log = logging.getLogger("turbospark.api")
 
@@ -129,7 +129,13 @@ def cache_salt(request: Request, body: dict[str, Any]) -> str | None:
     return tenant if salt is None else f"{tenant}|salt:{salt}"
 
 
+_BODY_KEY = "turbospark.body"  # the body read once, for a handler run again after a model load
+
+
 async def read_json(request: Request) -> dict[str, Any]:
+    read = request.scope.get(_BODY_KEY)
+    if read is not None:
+        return parse_json_object(read)
     limit = state_of(request).max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -141,7 +147,11 @@ async def read_json(request: Request) -> dict[str, Any]:
         if size > limit:
             raise ApiError(ErrorKind.TOO_LARGE, f"request body is over the limit of {limit} bytes")
         chunks.append(chunk)
-    return parse_json_object(b"".join(chunks))
+    request.scope[_BODY_KEY] = body = b"".join(chunks)
+    return parse_json_object(body)
+
+
+_LOAD_ATTEMPTS = 3
 
 
 def endpoint(render_error: ErrorRenderer, *, auth: bool = True) -> Callable[[Handler], Handler]:
@@ -152,7 +162,17 @@ def endpoint(render_error: ErrorRenderer, *, auth: bool = True) -> Callable[[Han
                     check_auth(request)
                 if state_of(request).shutdown.is_draining:
                     raise ApiError(ErrorKind.UNAVAILABLE, "the server is shutting down", retry_after=1.0)
-                return await handler(request)
+                for _ in range(_LOAD_ATTEMPTS):
+                    try:
+                        return await handler(request)
+                    except ModelNotLoaded as missing:  # load it (one load per model), then again
+                        await missing.registry.ensure_loaded(missing.name)
+                raise ApiError(
+                    ErrorKind.UNAVAILABLE,
+                    "the model was unloaded again before this request could use it; retry",
+                    param="model",
+                    retry_after=1.0,
+                )
             except ApiError as exc:
                 return render_error(exc)
             except ClientDisconnect:

@@ -3,7 +3,8 @@
 One entry shape carries OpenAI's fields and Anthropic's (type, display_name, created_at), so
 either SDK parses it; errors come in Anthropic's envelope to callers that send
 `anthropic-version`, in OpenAI's otherwise. Every name a model is served under is listed (its
-id and its aliases, Claude Code's included).
+id and its aliases, Claude Code's included), and every model of the store that is not loaded
+yet (it loads on its first request).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from starlette.routing import Route
 from turbospark.api.common import Handler, endpoint, state_of
 from turbospark.api.envelopes import anthropic_error, openai_error
 from turbospark.errors import ApiError, ErrorKind
-from turbospark.registry import model_kinds
+from turbospark.registry import CLAUDE_CODE_ALIAS_PREFIX, model_kinds
 
 
 def model_entry(model_id: str, created: int, kinds: Sequence[str] = ("completion",)) -> dict[str, Any]:
@@ -39,9 +40,21 @@ def model_entry(model_id: str, created: int, kinds: Sequence[str] = ("completion
 
 async def list_models(request: Request) -> Response:
     registry = state_of(request).registry
-    named = [(name, served) for served in registry.served() for name in served.names()]
-    ids = [name for name, _ in named]
-    data = [model_entry(name, registry.created, model_kinds(s.backend)) for name, s in named]
+    data = [
+        model_entry(name, registry.created, model_kinds(s.backend))
+        for s in registry.served()
+        for name in s.names()
+    ]
+    ids = [entry["id"] for entry in data]
+    # the store's models that are not loaded: they load on their first request
+    for entry in registry.store.entries() if registry.store is not None else []:
+        names = [entry.name]
+        if "completion" in entry.kinds:
+            names.append(CLAUDE_CODE_ALIAS_PREFIX + entry.name)
+        for name in names:
+            if registry.lookup(name) is None and name not in ids:
+                ids.append(name)
+                data.append(model_entry(name, int(entry.modified) or registry.created, entry.kinds))
     return JSONResponse(
         {
             "object": "list",
@@ -57,9 +70,12 @@ async def get_model(request: Request) -> Response:
     registry = state_of(request).registry
     name = request.path_params["model_id"]
     served = registry.lookup(name)
-    if served is None:
+    if served is not None:
+        return JSONResponse(model_entry(name, registry.created, model_kinds(served.backend)))
+    entry = registry.store_entry(name)
+    if entry is None:
         raise ApiError(ErrorKind.NOT_FOUND, f"model {name!r} not found", param="model")
-    return JSONResponse(model_entry(name, registry.created, model_kinds(served.backend)))
+    return JSONResponse(model_entry(name, int(entry.modified) or registry.created, entry.kinds))
 
 
 def by_caller(handler: Handler) -> Handler:

@@ -1,4 +1,5 @@
-"""Ollama wire format: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version, `/`.
+"""Ollama wire format: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/pull,
+/api/delete, /api/copy, /api/create, /api/version, `/`.
 
 Bodies parse into `ChatRequest`; events render back as Ollama JSON objects, one per line
 (NDJSON) when streaming, which is Ollama's default (`stream` absent means true). The last line
@@ -11,16 +12,22 @@ goes to `thinking` (never into the answer), and model names are `name:tag` (the 
 `:latest`; `/api/tags` lists `<id>:latest`). An empty `messages` / `prompt` is Ollama's "load
 the model" request and answers `done_reason: "load"` (or "unload" with `keep_alive: 0`).
 
-Accepted and not applied: `keep_alive` (models stay loaded for the life of the server) and
-`options.num_ctx` (the context is fixed when the model loads), plus Ollama's runner options
-(num_gpu, num_thread, mirostat, ...). Refused with a 400: `suffix`, `template`, a non-empty
-`context`, and `images` or `system` together with `raw: true`.
+`keep_alive` is Ollama's (seconds or a duration; 0 unloads once the reply is done, negative
+pins; absent: the server's `--keep-alive`), applied by the registry. The store's routes:
+`/api/pull` (progress lines from `engine.pull.pull_steps`), `/api/delete`, `/api/copy` (a
+name kept on disk) and `/api/create` with only `from` (a copy; anything more is refused by name).
+
+Accepted and not applied: `options.num_ctx` (the context is fixed when the model loads), plus
+Ollama's runner options (num_gpu, num_thread, mirostat, ...). Refused with a 400: `suffix`,
+`template`, a non-empty `context`, and `images` or `system` together with `raw: true`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
+import threading
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -46,11 +53,12 @@ from turbospark.api.kit import (
 from turbospark.api.parsing import parse_function_tools, parse_tool_calls
 from turbospark.backend import ChatModel, ReasoningEffort
 from turbospark.chat_template import CHATML_TEMPLATE
-from turbospark.errors import ApiError, invalid
+from turbospark.errors import ApiError, ErrorKind, invalid
 from turbospark.events import Finish, ReasoningDelta, TextDelta, TokenLogprob, ToolCallArgs, ToolCallStart
 from turbospark.plan import Plan, make_plan
 from turbospark.registry import ServedModel, model_kinds
 from turbospark.request import ChatRequest, Message, ResponseFormat, SamplingParams, ToolCall
+from turbospark.store import ModelStore
 
 # The Ollama API level this server answers as on /api/version: tools that gate features on the
 # server version (thinking, tool calls, structured outputs) see one that has them all.
@@ -409,10 +417,21 @@ async def _generate(request: Request, chat_api: bool) -> Response:
     chat, keep_alive = parse(body)
     registry = state_of(request).registry
     if not chat.messages and chat.prompt is None:
-        registry.resolve(chat.model)  # an unknown model is still a 404
+        if keep_alive == 0:  # unload: a model that is not loaded stays so
+            loaded = registry.lookup(chat.model)
+            if loaded is not None:
+                registry.set_keep_alive(loaded, 0)
+                registry.unload(loaded)  # not while sequences run: the reaper does, once they end
+            elif not registry.loadable(chat.model):
+                registry.resolve(chat.model)  # an unknown model is still a 404
+        else:
+            registry.set_keep_alive(registry.resolve(chat.model), keep_alive)  # loads it
         return _respond(_load_reply(chat.model, keep_alive, chat_api), chat.stream)
     chat.cache_salt = cache_salt(request, body)
     plan = make_plan(chat, registry)
+    served = registry.lookup(chat.model)
+    if served is not None and served.backend is plan.backend:
+        registry.set_keep_alive(served, keep_alive)
     if chat.stream:
         return await _stream(request, plan, started, chat_api)
 
@@ -531,27 +550,66 @@ def _listing(backend: ChatModel) -> dict[str, Any]:
 
 
 async def tags(request: Request) -> Response:
+    """Every model this server can serve, loaded or not (the store's, with file sizes and
+    times), and loaded ones the store does not list."""
     registry = state_of(request).registry
     modified = _rfc3339(registry.created)
-    models = [
-        _listing(b) | {"modified_at": modified, "capabilities": capabilities(b)} for b in registry.backends()
+    models = []
+    listed: set[str] = set()
+    for entry in registry.store.entries() if registry.store is not None else []:
+        loaded = registry.lookup(entry.name)
+        name = ollama_name(entry.name)
+        item: dict[str, Any] = {
+            "name": name,
+            "model": name,
+            "modified_at": _rfc3339(entry.modified) if entry.modified else modified,
+            "size": entry.size,
+            "digest": entry.digest(),
+        }
+        if loaded is not None:
+            item["details"] = model_details(loaded.backend)
+            item["capabilities"] = capabilities(loaded.backend)
+            listed.add(loaded.model_id)
+        else:
+            item["details"] = {
+                "parent_model": "",
+                "format": entry.format,
+                "family": entry.family,
+                "families": [entry.family] if entry.family else None,
+                "parameter_size": "",
+                "quantization_level": "",
+            }
+            item["capabilities"] = entry.kinds
+        models.append(item)
+    models += [
+        _listing(b) | {"modified_at": modified, "capabilities": capabilities(b)}
+        for b in registry.backends()
+        if b.model_id not in listed
     ]
     return JSONResponse({"models": models})
 
 
+_FOREVER = timedelta(days=365 * 100)  # Ollama shows a pinned model's expiry as a far-off date
+
+
 async def ps(request: Request) -> Response:
+    """The loaded models, with when each unloads if no request comes (`expires_at`)."""
     registry = state_of(request).registry
-    # Models stay loaded for the life of the server; Ollama shows "forever" as a far-off date.
-    expires = _rfc3339((datetime.now(UTC) + timedelta(days=365 * 100)).timestamp())
-    models = [
-        _listing(b)
-        | {
-            "expires_at": expires,
-            "size_vram": 0 if b.details().device == "cpu" else b.details().size_bytes,
-            "context_length": b.max_context,
-        }
-        for b in registry.backends()
-    ]
+    models = []
+    for served in registry.served():
+        b = served.backend
+        expires = registry.expires_at(served)
+        when = (datetime.now(UTC) + _FOREVER).timestamp() if expires is None else expires
+        models.append(
+            _listing(b)
+            | {
+                "name": ollama_name(served.store_name or b.model_id),
+                "model": ollama_name(served.store_name or b.model_id),
+                "expires_at": _rfc3339(when),
+                "size_vram": 0 if b.details().device == "cpu" else b.details().size_bytes,
+                "context_length": b.max_context,
+            }
+        )
     return JSONResponse({"models": models})
 
 
@@ -625,6 +683,156 @@ async def show(request: Request) -> Response:
     )
 
 
+# ---------------------------------------------------------------- the store: pull, delete, copy, create
+
+
+def _model_name(body: dict[str, Any]) -> str:
+    # current clients send `model`, older ones `name`
+    model, name = f.string(body, "model"), f.string(body, "name")
+    if not (model or name):
+        raise invalid("'model' is required", "model")
+    return model or name or ""
+
+
+def _store(request: Request) -> ModelStore:
+    store = state_of(request).registry.store
+    if store is None:
+        raise ApiError(ErrorKind.NOT_FOUND, "this server has no model store: models are fixed at start")
+    return store
+
+
+async def pull_model(request: Request) -> Response:
+    """Ollama's /api/pull: progress lines (NDJSON, or the last one alone with `stream: false`)."""
+    from turbospark.engine.checkpoint import ModelLoadError
+    from turbospark.engine.pull import PULLABLE, pull_steps
+
+    body = await read_json(request)
+    name = _model_name(body)
+    stream = f.boolean(body, "stream", True)
+    f.boolean(body, "insecure", False)  # accepted: there is no remote registry to trust or not
+    _store(request)
+    wanted = name[: -len(":latest")] if name.endswith(":latest") else name
+    if wanted not in PULLABLE:
+        raise ApiError(
+            ErrorKind.NOT_FOUND,
+            f"model {name!r} cannot be pulled; pullable: {', '.join(PULLABLE)}",
+            param="model",
+        )
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
+
+    def work() -> None:
+        try:
+            for step in pull_steps(wanted):
+                loop.call_soon_threadsafe(queue.put_nowait, step)
+        except BaseException as exc:  # handed to the stream, which renders it
+            loop.call_soon_threadsafe(queue.put_nowait, exc)
+        loop.call_soon_threadsafe(queue.put_nowait, None)
+
+    threading.Thread(target=work, name=f"pull-{wanted}", daemon=True).start()
+
+    def failure(exc: BaseException) -> ApiError:
+        if isinstance(exc, ApiError):
+            return exc
+        if isinstance(exc, ModelLoadError):
+            return ApiError(ErrorKind.INTERNAL, f"pull {name!r} failed: {exc}")
+        return ApiError(ErrorKind.INTERNAL, f"pull {name!r} failed: {type(exc).__name__}: {exc}")
+
+    if not stream:
+        last: dict[str, Any] = {}
+        while (item := await queue.get()) is not None:
+            if isinstance(item, BaseException):
+                raise failure(item)
+            last = item
+        return JSONResponse(last)
+
+    async def lines() -> AsyncIterator[bytes]:
+        while (item := await queue.get()) is not None:
+            if isinstance(item, BaseException):
+                yield ndjson_line(ollama_error_body(failure(item)))
+                return
+            yield ndjson_line(item)
+
+    return ndjson_response(lines())
+
+
+async def delete_model(request: Request) -> Response:
+    """Ollama's /api/delete: a copy's name, or a pulled model's file. A loaded model is unloaded
+    first; one that is generating is a 409."""
+    body = await read_json(request)
+    name = _model_name(body)
+    store = _store(request)
+    registry = state_of(request).registry
+    loaded = registry.lookup(name)
+    if loaded is not None and not registry.unload(loaded):
+        raise ApiError(
+            ErrorKind.INVALID_REQUEST,
+            f"model {name!r} is generating; delete it once its requests are done",
+            param="model",
+            status=409,
+        )
+    try:
+        store.delete(name)
+    except KeyError as exc:
+        raise ApiError(ErrorKind.NOT_FOUND, str(exc.args[0]), param="model") from None
+    except PermissionError as exc:
+        raise ApiError(ErrorKind.INVALID_REQUEST, str(exc), param="model") from None
+    return Response(status_code=200)
+
+
+async def copy_model(request: Request) -> Response:
+    """Ollama's /api/copy: the source model also answers to `destination` (kept on disk)."""
+    body = await read_json(request)
+    source = f.string(body, "source", required=True) or ""
+    destination = f.string(body, "destination", required=True) or ""
+    _copy(request, source, destination)
+    return Response(status_code=200)
+
+
+def _copy(request: Request, source: str, destination: str) -> None:
+    try:
+        _store(request).copy(source, destination)
+    except KeyError as exc:
+        raise ApiError(ErrorKind.NOT_FOUND, str(exc.args[0]), param="source") from None
+    except ValueError as exc:
+        raise ApiError(ErrorKind.INVALID_REQUEST, str(exc), param="destination") from None
+
+
+_CREATE_UNSUPPORTED = (
+    "files",
+    "adapters",
+    "template",
+    "license",
+    "system",
+    "parameters",
+    "messages",
+    "quantize",
+    "modelfile",
+    "path",
+)
+
+
+async def create_model(request: Request) -> Response:
+    """Ollama's /api/create: only the form that names an existing model under a new name
+    (`from` and nothing else) is served, as a copy; everything else is refused by name."""
+    body = await read_json(request)
+    name = _model_name(body)
+    sent = [key for key in _CREATE_UNSUPPORTED if body.get(key) not in (None, "", [], {})]
+    if sent:
+        raise invalid(
+            f"creating models is not supported by this server ({', '.join(sent)}): put a GGUF file or a "
+            "Hugging Face folder in a --model-dir folder, or copy a model under another name with "
+            "/api/copy or a create with only 'from'",
+            sent[0],
+        )
+    source = f.string(body, "from")
+    if not source:
+        raise invalid("'from' is required: the model to create this one from", "from")
+    _copy(request, source, name)
+    success = {"status": "success"}
+    return _respond(success, f.boolean(body, "stream", True))
+
+
 async def version(request: Request) -> Response:
     return JSONResponse({"version": OLLAMA_API_VERSION})
 
@@ -645,4 +853,8 @@ def routes() -> list[Route]:
         Route("/api/tags", wrap(tags), methods=["GET"]),
         Route("/api/show", wrap(show), methods=["POST"]),
         Route("/api/ps", wrap(ps), methods=["GET"]),
+        Route("/api/pull", wrap(pull_model), methods=["POST"]),
+        Route("/api/delete", wrap(delete_model), methods=["DELETE"]),
+        Route("/api/copy", wrap(copy_model), methods=["POST"]),
+        Route("/api/create", wrap(create_model), methods=["POST"]),
     ]

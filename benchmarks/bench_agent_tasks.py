@@ -368,12 +368,13 @@ def run_variant(name: str, serve_args: str, args: argparse.Namespace, tasks: lis
     rows: list[TaskRow] = []
     cache = {k: os.environ[k] for k in ("HOME", "TURBOSPARK_CACHE", "XDG_CACHE_HOME") if k in os.environ}
     extra = shlex.split(serve_args)
-    with (
-        ServerProcess("--model", args.model, *shlex.split(args.serve_args), *extra, env=cache) as server,
-        TimingProxy(server.url) as proxy,
-        tempfile.TemporaryDirectory(prefix="agent-tasks-") as tmp,
-    ):
-        server.wait_healthy(timeout=600)
+    server = ServerProcess("--model", args.model, *shlex.split(args.serve_args), *extra, env=cache)
+    try:
+        server.wait_healthy(timeout=900)  # loading competes with other work on a shared machine
+    except BaseException:
+        server.__exit__(None, None, None)
+        raise
+    with server, TimingProxy(server.url) as proxy, tempfile.TemporaryDirectory(prefix="agent-tasks-") as tmp:
         for task in tasks:
             row = run_task(task, name, args.model, proxy, server.url, Path(tmp), args.timeout)
             rows.append(row)

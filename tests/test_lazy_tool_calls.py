@@ -143,3 +143,13 @@ def test_off_leaves_the_call_to_the_guardrails() -> None:
 )
 def test_bare_trigger_state(text: str, state: bool | None) -> None:
     assert bare_trigger_state(text) is state
+
+
+def test_default_seed_applies_only_when_the_request_sets_none() -> None:
+    """`--seed`: Claude Code sends no seed; the served model's default makes its turns repeatable."""
+    registry = ModelRegistry()
+    registry.add(ServedModel(ScriptedChatModel(["hi"]), default_seed=7))
+    request = ChatRequest(model="scripted", messages=[Message(role="user", content="hi")], max_tokens=5)
+    assert make_plan(request, registry).config.seed == 7
+    request.sampling.seed = 3
+    assert make_plan(request, registry).config.seed == 3

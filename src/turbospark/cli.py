@@ -103,7 +103,10 @@ def served_model(spec: str, args: argparse.Namespace, rate: RateControl | None) 
         raise ModelLoadError(f"cannot load model {spec!r}: {type(exc).__name__}: {exc}") from exc
     served = ServedModel(
         backend,
-        guardrails=GuardrailConfig(enabled=not args.no_guardrails),
+        guardrails=GuardrailConfig(
+            enabled=not args.no_guardrails, constrain_calls=not args.no_constrained_calls
+        ),
+        default_seed=args.seed,
         default_system=system,
         default_reasoning=ReasoningEffort(args.reasoning or ReasoningEffort.OFF),
         # None: the model's own recommendation, else the built-in truncation
@@ -460,6 +463,19 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--no-guardrails", action="store_true", help="turn tool-call repair and validation off")
     s.add_argument(
         "--no-webui", action="store_true", help="do not serve the chat page (at /chat, and at / for browsers)"
+    )
+    s.add_argument(
+        "--no-constrained-calls",
+        action="store_true",
+        help="under tool_choice auto, leave a tool call the model starts unconstrained (default: the "
+        "rest of the call is held to a declared tool's name and schema by a grammar)",
+    )
+    s.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="sampling seed for requests that carry none (Claude Code sends none): the same prompt "
+        "then gives the same reply; default: a fresh random seed per request",
     )
     s.add_argument(
         "--sampling-defaults",

@@ -24,8 +24,12 @@ Each processor holds one sequence's state; `fork()` gives a fresh copy for anoth
 from __future__ import annotations
 
 import json
+import re
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -33,10 +37,11 @@ import torch
 
 from turbospark.backend import ChatModel, GenerationConfig, LogitsProcessor, ReasoningEffort
 from turbospark.errors import invalid
-from turbospark.metrics import GRAMMAR_REQUESTS
+from turbospark.metrics import GRAMMAR_REQUESTS, LAZY_TRIGGERS
 from turbospark.reasoning import ThinkingBudget
 from turbospark.request import ChatRequest, ResponseFormat, Tool, ToolChoiceMode
 from turbospark.toolcalls import ToolFamily, detect_family
+from turbospark.toolcalls.guardrails import GuardrailConfig
 
 if TYPE_CHECKING:
     import llguidance
@@ -66,6 +71,8 @@ class PlanFacts(Protocol):
     def has_reasoning_markup(self) -> bool: ...
     @property
     def thinking_budget(self) -> int | None: ...
+    @property
+    def guardrails(self) -> GuardrailConfig: ...
 
 
 # JSON inside a grammar: flexible but bounded whitespace, so a model cannot spin on spaces, and
@@ -397,6 +404,270 @@ def make_matcher(grammar: str, tokenizer: Tokenizer, vocab_size: int, param: str
     return matcher
 
 
+# ---------------------------------------------------------------- lazy tool calls (tool_choice auto)
+#
+# Under tool_choice auto the answer is free text until the model starts a call in a form the
+# parsers know; from there on the rest of the call is held to a declared tool's name and that
+# tool's schema. Two triggers:
+#
+# - the family's call-opening special token (`<tool_call>`, `[TOOL_CALLS]`): the grammar is the
+#   family's call syntax (`tool_call_grammar`), which starts with that token;
+# - at the very start of the answer, a bare JSON object whose first key is "name", maybe in a
+#   code fence (what small Qwen models write instead of tags; the Hermes parser reads it as a
+#   call when its guardrails are on, Llama 3 writes calls that way): once `{"name"` is written,
+#   the answer from its first token is re-read under a grammar for such a call.
+#
+# Our own switch, not a grammar with a lazy free-text prefix: the free part costs no mask at
+# all (a token-id check, and a short decode while the answer's first characters could still
+# open a bare call), and the call grammar is compiled once per tool set and copied per request.
+
+_BARE_TRIGGER = re.compile(r'(?:```[\w-]{0,16}[ \t]*\n\s*)?\{\s*"name"')
+_FENCE_HEADERS = ("", "json", "json5", "tool_call", "tool_code", "javascript")
+
+
+def bare_trigger_state(text: str) -> bool | None:
+    """For the answer's text so far: True once it opens a bare JSON call (`{"name"`, maybe
+    fenced), None while it still could, False once it cannot."""
+    s = text.lstrip()
+    if _BARE_TRIGGER.match(s):
+        return True
+    if "```".startswith(s):
+        return None
+    if s.startswith("```"):
+        newline = s.find("\n")
+        if newline < 0:
+            return None if len(s) < 24 and "`" not in s[3:] else False
+        if s[3:newline].strip().lower() not in _FENCE_HEADERS:
+            return False
+        s = s[newline + 1 :].lstrip()
+    if not s:
+        return None
+    if not s.startswith("{"):
+        return False
+    rest = s[1:].lstrip()
+    return None if '"name"'.startswith(rest) else False
+
+
+def _ws(g: _Lark) -> str:
+    if "ws" not in {r.split(":", 1)[0] for r in g.rules}:
+        g.rule(r"/[ \t\n]{1,8}/", "ws")
+    return "ws?"
+
+
+def bare_call_grammar(g: _Lark, tools: Sequence[Tool]) -> str:
+    """A bare JSON call, maybe in a code fence, from the answer's start: `{"name": <declared
+    tool>, "arguments": <its schema>}` ("parameters" for Llama 3's key)."""
+    ws = _ws(g)
+    arg_key = '("\\"arguments\\"" | "\\"parameters\\"")'
+    bodies = [
+        g.rule(
+            f'{_lit(json.dumps(t.name))} {ws} "," {ws} {arg_key} {ws} ":" {ws} {g.json(_params_schema(t))}'
+        )
+        for t in tools
+    ]
+    obj = g.rule(f'"{{" {ws} "\\"name\\"" {ws} ":" {ws} ({" | ".join(bodies)}) {ws} "}}"')
+    fence = g.rule(r"/```[\w-]{0,16}[ \t]*\n/ " + f'{ws} {obj} {ws} "```"')
+    return g.rule(f"{ws} ({fence} | {obj}) {ws}")
+
+
+@dataclass(frozen=True, slots=True)
+class LazyCallGrammars:
+    """The compiled grammars of one tool set (pristine matchers, copied per sequence)."""
+
+    by_token: dict[int, llguidance.LLMatcher]  # opening special token -> the family's call grammar
+    bare: llguidance.LLMatcher | None  # a bare / fenced JSON call at the answer's start
+
+
+_lazy_cache: OrderedDict[tuple[int, int, str], LazyCallGrammars] = OrderedDict()
+_LAZY_CACHE_SIZE = 8
+
+
+def lazy_call_grammars(
+    tokenizer: Tokenizer,
+    vocab_size: int,
+    family: ToolFamily,
+    tools: Sequence[Tool],
+    parallel: bool,
+    chat_template: str | None,
+    bare: bool,
+) -> LazyCallGrammars | None:
+    """The lazy grammars for `tools`, cached by tool set: an agent sends the same ~25 tools on
+    every turn, and compiling their schemas costs far more than copying a matcher."""
+    openers = {
+        ToolFamily.HERMES: "<tool_call>",
+        ToolFamily.QWEN3_CODER: "<tool_call>",
+        ToolFamily.MISTRAL: "[TOOL_CALLS]",
+    }
+    opener = openers.get(family)
+    opener_id = tokenizer.token_to_id(opener) if opener is not None else None
+    with_bare = bare and family in (ToolFamily.HERMES, ToolFamily.LLAMA3)
+    if opener_id is None and not with_bare:
+        return None
+    g_call, g_bare = _Lark(tokenizer), _Lark(tokenizer)
+    if opener_id is not None:
+        g_call.rule(tool_call_grammar(g_call, family, tools, parallel, chat_template), "start")
+    if with_bare:
+        g_bare.rule(bare_call_grammar(g_bare, tools), "start")
+    key = (id(tokenizer), vocab_size, g_call.text() + "\x00" + g_bare.text())
+    with _ll_lock:
+        found = _lazy_cache.get(key)
+        if found is not None:
+            _lazy_cache.move_to_end(key)
+            return found
+    by_token = {}
+    if opener_id is not None:
+        by_token[opener_id] = make_matcher(g_call.text(), tokenizer, vocab_size, "tools")
+    built = LazyCallGrammars(
+        by_token, make_matcher(g_bare.text(), tokenizer, vocab_size, "tools") if with_bare else None
+    )
+    with _ll_lock:
+        _lazy_cache[key] = built
+        while len(_lazy_cache) > _LAZY_CACHE_SIZE:
+            _lazy_cache.popitem(last=False)
+    return built
+
+
+class LazyToolCallProcessor:
+    """Free text until a call starts, then the call's grammar (see the section comment above).
+
+    After the call grammar completes only EOS is left (a reply that calls tools ends there, as
+    the families' templates teach). `mask_seconds` / `num_masked` total the mask's cost for
+    benchmarks; `trigger` says which form started the constraint (None: it never did).
+    """
+
+    def __init__(
+        self,
+        grammars: LazyCallGrammars,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        eos_ids: frozenset[int],
+        *,
+        think_ids: tuple[int, int] | None = None,
+        start_in_reasoning: bool = False,
+    ) -> None:
+        self.grammars = grammars
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_ids = eos_ids
+        self.think_ids = think_ids
+        self.start_in_reasoning = start_in_reasoning and think_ids is not None
+        self.in_reasoning = self.start_in_reasoning
+        self.answer: list[int] = []  # answer tokens while a bare call may still open
+        self.watch_bare = grammars.bare is not None
+        self.matcher: llguidance.LLMatcher | None = None
+        self.trigger: str | None = None
+        self.failed = False  # the written prefix did not fit the grammar: left free
+        self.num_seen = 0
+        self.num_masked = 0
+        self.mask_seconds = 0.0
+
+    def fork(self) -> LazyToolCallProcessor:
+        return LazyToolCallProcessor(
+            self.grammars,
+            self.tokenizer,
+            self.vocab_size,
+            self.eos_ids,
+            think_ids=self.think_ids,
+            start_in_reasoning=self.start_in_reasoning,
+        )
+
+    def _start(self, pristine: llguidance.LLMatcher, tokens: list[int], form: str) -> None:
+        matcher = pristine.deep_copy()
+        if matcher.consume_tokens(tokens) and not matcher.is_error():
+            self.matcher, self.trigger = matcher, form
+            LAZY_TRIGGERS.labels(form=form).inc()
+        else:
+            self.failed = True
+            LAZY_TRIGGERS.labels(form="missed").inc()
+        self.watch_bare = False
+        self.answer = []
+
+    def _advance(self, token_id: int) -> None:
+        if self.matcher is not None:
+            self.matcher.consume_token(token_id)
+            return
+        if self.failed:
+            return
+        if self.think_ids is not None:
+            open_id, close_id = self.think_ids
+            if self.in_reasoning:
+                self.in_reasoning = token_id != close_id
+                return
+            if token_id == open_id and not self.answer:
+                self.in_reasoning = True
+                return
+        opener = self.grammars.by_token.get(token_id)
+        if opener is not None:
+            self._start(opener, [token_id], "tag")
+            return
+        if not self.watch_bare:
+            return
+        self.answer.append(token_id)
+        state = bare_trigger_state(self.tokenizer.decode(self.answer, skip_special_tokens=False))
+        if state is None:
+            return
+        if state and self.grammars.bare is not None:
+            self._start(self.grammars.bare, self.answer, "bare")
+        self.watch_bare = False
+        self.answer = []
+
+    def __call__(self, generated_ids: Sequence[int], logits: torch.Tensor) -> None:
+        for token_id in generated_ids[self.num_seen :]:
+            self._advance(token_id)
+        self.num_seen = len(generated_ids)
+        matcher = self.matcher
+        if matcher is None:
+            return
+        if matcher.is_stopped() or matcher.is_error():
+            if self.eos_ids:
+                force_tokens(logits, self.eos_ids)
+            return
+        started = time.perf_counter()
+        bits = matcher.compute_bitmask()
+        apply_bitmask(logits, bits, self.vocab_size)
+        self.mask_seconds += time.perf_counter() - started
+        self.num_masked += 1
+
+
+def lazy_processor_for_plan(plan: PlanFacts, vocab_size: int) -> LazyToolCallProcessor | None:
+    """The lazy call constraint for a tool_choice auto request, or None (off, no tools, or no
+    grammar engine: auto never needs one, so its absence is no error)."""
+    request = plan.request
+    guardrails = plan.guardrails
+    if (
+        not plan.tools
+        or request.tool_choice.mode is not ToolChoiceMode.AUTO
+        or not guardrails.constrain_calls
+    ):
+        return None
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        return None
+    tokenizer = plan.backend.tokenizer
+    family = detect_family(plan.chat_template)
+    grammars = lazy_call_grammars(
+        tokenizer,
+        vocab_size,
+        family,
+        plan.tools,
+        request.parallel_tool_calls,
+        plan.chat_template,
+        bare=guardrails.enabled,  # a bare call is only read as a call by the guardrails
+    )
+    if grammars is None:
+        return None
+    open_id, close_id = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+    return LazyToolCallProcessor(
+        grammars,
+        tokenizer,
+        vocab_size,
+        frozenset(plan.config.stop_token_ids) or tokenizer.eos_token_ids,
+        think_ids=(open_id, close_id) if open_id is not None and close_id is not None else None,
+        start_in_reasoning=plan.start_in_reasoning,
+    )
+
+
 def processors_for_plan(plan: PlanFacts) -> list[LogitsProcessor]:
     out: list[LogitsProcessor] = []
     tokenizer = plan.backend.tokenizer
@@ -423,4 +694,9 @@ def processors_for_plan(plan: PlanFacts) -> list[LogitsProcessor]:
             )
         )
         GRAMMAR_REQUESTS.labels(kind=kind).inc()
+    else:
+        lazy = lazy_processor_for_plan(plan, max(plan.backend.vocab_size, tokenizer.vocab_size))
+        if lazy is not None:
+            out.append(lazy)
+            GRAMMAR_REQUESTS.labels(kind="tool_call_lazy").inc()
     return out

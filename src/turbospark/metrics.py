@@ -125,8 +125,16 @@ TOOL_CALL_REJECTS = Counter(
 )
 GRAMMAR_REQUESTS = Counter(
     "turbospark_grammar_constrained",
-    "Generations run under a grammar constraint, by kind (tool_call, json_object, json_schema)",
+    "Generations run under a grammar constraint, by kind "
+    "(tool_call, tool_call_lazy, json_object, json_schema)",
     ["kind"],
+    registry=REGISTRY,
+)
+LAZY_TRIGGERS = Counter(
+    "turbospark_tool_call_constraint_triggers",
+    "tool_choice auto: calls the model started that the call grammar then held (form tag or bare), "
+    "or that it could not hold because the written start did not fit (missed)",
+    ["form"],
     registry=REGISTRY,
 )
 for _outcome in ("ok", "repaired", "returned_as_text"):

@@ -268,7 +268,7 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
         presence_penalty=sp.presence_penalty,
         frequency_penalty=sp.frequency_penalty,
         logit_bias=dict(sp.logit_bias),
-        seed=sp.seed,
+        seed=sp.seed if sp.seed is not None else served.default_seed,
         num_top_logprobs=(sp.top_logprobs if sp.logprobs else None),
         cache_salt=request.cache_salt,
     )

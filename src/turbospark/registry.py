@@ -69,6 +69,7 @@ class ServedModel:
     guardrails: GuardrailConfig = field(default_factory=GuardrailConfig)
     default_system: str | None = None  # used only when a request has no system/developer message
     default_reasoning: ReasoningEffort = ReasoningEffort.OFF
+    default_seed: int | None = None  # used only when a request sets no seed
     # Every sampler setting a request leaves unset takes its value from here. None (the default):
     # the model's own recommendation (generation_config.json, GGUF general.sampling.*) where it
     # gives one, else `BUILTIN_SAMPLING`; `NO_SAMPLING_DEFAULTS` gives plain temperature sampling.

@@ -38,6 +38,9 @@ class GuardrailConfig:
     repair_json: bool = True
     match_names: bool = True
     validate_schema: bool = True
+    # tool_choice auto: once the model starts a call, hold the rest of it to a declared tool's
+    # name and schema with a grammar (`turbospark.grammar.LazyToolCallProcessor`)
+    constrain_calls: bool = True
 
 
 # ---------------------------------------------------------------- tolerant JSON

@@ -1,0 +1,155 @@
+"""tool_choice auto with the lazy call constraint: text stays free until the model starts a call
+(`<tool_call>`, or a bare / fenced `{"name"` at the answer's start); from there the call is held to
+a declared tool's name and schema. The scripted model "wants" to write a call to a tool that does
+not exist (what Qwen2.5-Coder-0.5B does under Claude Code); the mask leaves it no such path."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from corpus.support import family_tokenizer, summarize, trained_bpe_tokenizer
+from turbospark.generate import run_choice
+from turbospark.grammar import LazyToolCallProcessor, bare_trigger_state
+from turbospark.metrics import LAZY_TRIGGERS
+from turbospark.plan import make_plan
+from turbospark.registry import ModelRegistry, ServedModel
+from turbospark.request import ChatRequest, Message, Tool, ToolChoice, ToolChoiceMode
+from turbospark.scripted import ScriptedChatModel
+from turbospark.tokenizer import Tokenizer
+from turbospark.toolcalls.guardrails import GuardrailConfig, check_arguments
+
+BASH = Tool(
+    "Bash",
+    parameters={
+        "type": "object",
+        "properties": {
+            "command": {"type": "string", "maxLength": 40},
+            "timeout": {"type": "integer", "minimum": 1, "maximum": 600},
+        },
+        "required": ["command"],
+    },
+)
+READ = Tool(
+    "Read",
+    parameters={
+        "type": "object",
+        "properties": {"file_path": {"type": "string", "maxLength": 40}},
+        "required": ["file_path"],
+    },
+)
+TOOLS = {t.name: t for t in (BASH, READ)}
+WRONG_FENCED = '```json\n{"name": "deep-research", "arguments": {"prompt": "cat notes.txt"}}\n```'
+WRONG_TAGGED = (
+    'Let me look.\n<tool_call>\n{"name": "Agent", "arguments": {"prompt": "cat notes.txt"}}\n</tool_call>'
+)
+
+
+def _tokenizers() -> list[Tokenizer]:
+    return [family_tokenizer("hermes"), trained_bpe_tokenizer()]
+
+
+def _run(
+    reply: str, tokenizer: Tokenizer, seed: int, guardrails: GuardrailConfig | None = None
+) -> dict[str, Any]:
+    registry = ModelRegistry()
+    registry.add(
+        ServedModel(
+            ScriptedChatModel([reply], tokenizer=tokenizer), guardrails=guardrails or GuardrailConfig()
+        )
+    )
+    request = ChatRequest(
+        model="scripted",
+        messages=[Message(role="user", content="Run the shell command: cat notes.txt")],
+        max_tokens=300,
+        tools=list(TOOLS.values()),
+        tool_choice=ToolChoice(ToolChoiceMode.AUTO),
+    )
+    request.sampling.temperature = 1.0
+    request.sampling.seed = seed
+    plan = make_plan(request, registry)
+    lazy = [p for p in plan.config.processors if isinstance(p, LazyToolCallProcessor)]
+    if guardrails is None or guardrails.constrain_calls:
+        assert len(lazy) == 1
+    else:
+        assert not lazy
+    return summarize(asyncio.run(run_choice(plan)))
+
+
+def _assert_valid_calls(result: dict[str, Any]) -> None:
+    assert result["calls"], result
+    for call in result["calls"]:
+        assert call["name"] in TOOLS, call
+        check = check_arguments(call["arguments"], TOOLS[call["name"]].parameters)
+        assert not check.errors and not check.coerced, call
+
+
+@pytest.mark.parametrize("tokenizer", _tokenizers(), ids=["bytes", "bpe"])
+def test_a_started_call_to_an_undeclared_tool_becomes_a_valid_call(tokenizer: Tokenizer) -> None:
+    before = LAZY_TRIGGERS.labels(form="bare")._value.get()
+    for seed in range(8):
+        result = _run(WRONG_FENCED, tokenizer, seed)
+        _assert_valid_calls(result)
+        assert result["text"] == ""
+    assert LAZY_TRIGGERS.labels(form="bare")._value.get() - before == 8
+
+
+@pytest.mark.parametrize("tokenizer", _tokenizers(), ids=["bytes", "bpe"])
+def test_text_before_a_tagged_call_stays_free(tokenizer: Tokenizer) -> None:
+    for seed in range(8):
+        result = _run(WRONG_TAGGED, tokenizer, seed)
+        assert result["text"] == "Let me look."
+        _assert_valid_calls(result)
+
+
+@pytest.mark.parametrize("tokenizer", _tokenizers(), ids=["bytes", "bpe"])
+def test_free_text_and_valid_calls_come_out_as_written(tokenizer: Tokenizer) -> None:
+    prose = "The file says hello. {not a call} and ```code``` stay text."
+    assert _run(prose, tokenizer, 0) == {"text": prose, "reasoning": "", "calls": []}
+    fenced_python = "```python\nprint({'name': 1})\n```"
+    assert _run(fenced_python, tokenizer, 0)["text"] == fenced_python
+    good = '{"name": "Bash", "arguments": {"command": "cat notes.txt"}}'
+    result = _run(good, tokenizer, 0)
+    assert result["text"] == ""
+    assert [(c["name"], c["arguments"]) for c in result["calls"]] == [("Bash", {"command": "cat notes.txt"})]
+
+
+def test_off_leaves_the_call_to_the_guardrails() -> None:
+    """`--no-constrained-calls`: the undeclared tool's call comes back as text, as before."""
+    result = _run(WRONG_FENCED, family_tokenizer("hermes"), 0, GuardrailConfig(constrain_calls=False))
+    assert result["calls"] == [] and "deep-research" in result["text"]
+
+
+@pytest.mark.parametrize(
+    ("text", "state"),
+    [
+        ("", None),
+        ("  \n", None),
+        ("`", None),
+        ("```js", None),
+        ("```json\n", None),
+        ("```json\n{", None),
+        ('```json\n{ "na', None),
+        ('```json\n{"name"', True),
+        ('{"name"', True),
+        ('\n{\n  "name": "Bash"', True),
+        ("```python\n", False),
+        ('{"command"', False),
+        ("Sure", False),
+        ("[", False),
+    ],
+)
+def test_bare_trigger_state(text: str, state: bool | None) -> None:
+    assert bare_trigger_state(text) is state
+
+
+def test_default_seed_applies_only_when_the_request_sets_none() -> None:
+    """`--seed`: Claude Code sends no seed; the served model's default makes its turns repeatable."""
+    registry = ModelRegistry()
+    registry.add(ServedModel(ScriptedChatModel(["hi"]), default_seed=7))
+    request = ChatRequest(model="scripted", messages=[Message(role="user", content="hi")], max_tokens=5)
+    assert make_plan(request, registry).config.seed == 7
+    request.sampling.seed = 3
+    assert make_plan(request, registry).config.seed == 3

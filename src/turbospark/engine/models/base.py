@@ -318,14 +318,19 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_cache: KVCache,
         argmax: list[torch.Tensor] | None = None,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: (num_tokens,) packed; returns logits (num_seqs, vocab) of each
         sequence's last token. With `argmax` (a list) and a native step whose lm_head finds the
-        rows' argmax as it writes them, those ids (num_seqs,) int64 are appended to it."""
+        rows' argmax as it writes them, those ids (num_seqs,) int64 are appended to it.
+        `embeds` (packed rows, their vectors): input embeddings used instead of the ids' for
+        those rows (a vision model's image tokens)."""
         x = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
+        if embeds is not None:
+            x.index_copy_(0, embeds[0], embeds[1].to(x.dtype))
         rope = self.rotary(positions)
         decoder = self.native_decoder()
-        if decoder is not None and decoder.takes(input_ids, meta, kv_cache):
+        if decoder is not None and embeds is None and decoder.takes(input_ids, meta, kv_cache):
             h = decoder.run(x, rope, meta, kv_cache)
             fused = getattr(self.lm_head, "forward_argmax", None)
             if argmax is not None and fused is not None:

@@ -213,7 +213,7 @@ def test_two_images_in_one_prompt_and_errors_by_name(backend: RealChatModel) -> 
             threading.Event(),
             lambda _: None,
         )
-    with pytest.raises(BackendError, match=r"images\[0\] could not be decoded"):
+    with pytest.raises(BackendError, match=r"'images\[0\]' could not be decoded"):
         _greedy(backend, [b"\x89PNG\r\n\x1a\n" + b"\0" * 40])
 
 

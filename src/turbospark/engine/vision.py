@@ -53,7 +53,7 @@ def decode_image(data: bytes, where: str = "image") -> Image.Image:
             img.load()
             return img.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise BackendError(f"{where} could not be decoded as an image: {exc}") from exc
+        raise BackendError(f"'{where}' could not be decoded as an image: {exc}") from exc
 
 
 def _rescale_to_max_len(height: int, width: int, max_len: int) -> tuple[int, int]:
@@ -284,7 +284,7 @@ def expand_prompt(
     prompt = ImagePrompt()
     last = 0
     for n, (mark, image) in enumerate(zip(marks, images, strict=True)):
-        where = getattr(image, "where", "") or f"images[{n}]"
+        where = image.where or f"images[{n}]"
         processed = spec.processor.process(decode_image(image.data, where))
         ids.extend(prompt_ids[last:mark])
         start = len(ids)

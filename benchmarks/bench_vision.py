@@ -100,6 +100,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--folder", type=Path, help="where the random folder is (written if missing)")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1, help="runs first, not counted")
     args = parser.parse_args()
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -127,7 +128,7 @@ def main() -> None:
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
     encode_s, ttft_s, tokens = [], [], 0
-    for run in range(args.runs + 1):  # the first run warms up and is not counted
+    for run in range(args.runs + args.warmup):
         picture = tiny_vlm.png(512, 512, seed=100 + run)
         started = time.perf_counter()
         processed = spec.processor.process(decode_image(picture))
@@ -145,7 +146,7 @@ def main() -> None:
         )
         ttft = time.perf_counter() - started
         tokens = result.num_prompt_tokens
-        if run:
+        if run >= args.warmup:
             encode_s.append(encoded)
             ttft_s.append(ttft)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"

@@ -181,6 +181,7 @@ class VisionInfo:
 class RequestImage:
     data: bytes  # the decoded file (PNG, JPEG, ...)
     media_type: str
+    where: str = ""  # the content part it came from, for errors ("messages[0].content[1].image_url")
 
 
 @dataclass(slots=True, frozen=True)

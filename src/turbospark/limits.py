@@ -115,7 +115,7 @@ def check_images(request: ChatRequest, limits: Limits) -> None:
     if len(images) > limits.max_images:
         raise _too_large(f"the request has {len(images)} images; the limit is {limits.max_images}", "images")
     for i, image in enumerate(images):
-        check_image(image.data, f"images[{i}]", limits)
+        check_image(image.data, image.where or f"images[{i}]", limits)
 
 
 def check_image(data: bytes, where: str, limits: Limits) -> None:

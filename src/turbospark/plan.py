@@ -22,6 +22,7 @@ Here, and nowhere else, a `ChatRequest` meets the served model's policy (`regist
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -67,12 +68,14 @@ class Plan:
         return replace(self.config, seed=seed, processors=processors)
 
 
-def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
-    """Internal messages as the OpenAI-shaped dicts Hugging Face chat templates expect."""
+def template_messages(messages: list[Message], *, as_parts: bool = False) -> list[dict[str, Any]]:
+    """Internal messages as the OpenAI-shaped dicts Hugging Face chat templates expect; with
+    `as_parts` (a vision model, whose template reads `content[0].type`) every content is a list of
+    parts, images first."""
     out: list[dict[str, Any]] = []
     for m in messages:
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.content}
-        if m.images:
+        if m.images or as_parts:
             parts: list[dict[str, Any]] = [{"type": "image"} for _ in m.images]
             parts.append({"type": "text", "text": m.content})
             d["content"] = parts
@@ -94,6 +97,15 @@ def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
             d["reasoning_content"] = m.reasoning
         out.append(d)
     return out
+
+
+_PART_TYPE = re.compile(r"""\[\s*['"]type['"]\s*\]|\.type\b""")
+
+
+def reads_parts(template: str) -> bool:
+    """Whether a chat template reads content parts (`line['type']`): a vision model's, such as
+    SmolVLM's, which reads `content[0]['type']` of every message, text-only ones too."""
+    return _PART_TYPE.search(template) is not None
 
 
 def _args_obj(arguments: str) -> Any:
@@ -220,7 +232,7 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
         try:
             prompt_text = render_chat_template(
                 template,
-                template_messages(messages),
+                template_messages(messages, as_parts=backend.vision() is not None and reads_parts(template)),
                 tools=template_tools(tools) if tools else None,
                 add_generation_prompt=True,
                 bos_token=tokenizer.bos_token,

@@ -58,7 +58,8 @@ def model_kinds(backend: ChatModel) -> list[str]:
     declared = getattr(backend, "capabilities", None)
     if declared is not None:
         return list(declared)
-    return ["completion", "embedding"] if backend.supports_embeddings() else ["completion"]
+    kinds = ["completion", "embedding"] if backend.supports_embeddings() else ["completion"]
+    return [*kinds, "vision"] if backend.vision() is not None else kinds
 
 
 @dataclass(slots=True)

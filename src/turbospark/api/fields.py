@@ -218,7 +218,7 @@ def decode_base64_image(data: str, where: str, media_type: str | None = None) ->
         raise invalid(f"'{where}' is not valid base64: {exc}", where) from exc
     if not raw:
         raise invalid(f"'{where}' is empty", where)
-    return RequestImage(data=raw, media_type=media_type or _sniff(raw))
+    return RequestImage(data=raw, media_type=media_type or _sniff(raw), where=where)
 
 
 def _sniff(raw: bytes) -> str:

@@ -2,8 +2,10 @@
 
 One `Engine` (one model runner, one KV cache, one scheduler with its FIFO line) per loaded
 model. `run_completion` submits to it and waits: concurrent requests are batched into the same
-engine steps and share cached prompt prefixes. Images are refused by name: none of the families
-here has a vision tower.
+engine steps and share cached prompt prefixes. A vision family (`idefics3`) gets a `VisionSpec`:
+a request's images are decoded, preprocessed and spliced into its prompt on the request's worker
+thread (`submit_completion` returns None for them), encoded on the engine thread when their
+tokens are first due (`turbospark.engine.vision`); other models refuse images by name.
 
 The context a model serves is its own (`max_position_embeddings`), bounded by the KV-cache budget
 (`kv_cache_gb`; by default a share of free memory) and lowered by `max_context` when given.
@@ -39,6 +41,7 @@ from turbospark.backend import (
     RequestImage,
     SamplingDefaults,
     Submission,
+    VisionInfo,
 )
 from turbospark.engine.engine import Delivery, Engine, StepRunner
 from turbospark.engine.memory import fix_mmap_threshold, release_freed_memory, weight_stats
@@ -49,6 +52,7 @@ from turbospark.ratecontrol import RateControl
 
 if TYPE_CHECKING:
     from turbospark.engine.parallel import TensorParallelGroup
+    from turbospark.engine.vision import ImagePrompt, VisionSpec
     from turbospark.tokenizer import Tokenizer
 
 log = logging.getLogger("turbospark.engine")
@@ -73,14 +77,19 @@ class RealChatModel(BackendDefaults):
         tensor_parallel: TensorParallelGroup | None = None,
         kv_dtype: torch.dtype | None = None,
         sampling: SamplingDefaults | None = None,
+        vision: VisionSpec | None = None,
     ) -> None:
-        """`num_kv_blocks` sizes the KV cache (default: one full context per running sequence,
+        """`vision`: how this model reads images (None: it refuses them). `num_kv_blocks` sizes
+        the KV cache (default: one full context per running sequence,
         at most 4; its elements `kv_dtype`, default the model's); the context never exceeds what
         the cache holds. With `tensor_parallel`,
         `model` is rank 0's shard and every engine step runs on all ranks of the group (the
         runner's one-sequence reference path, `forward` / `generate`, is single-process only)."""
         self.model_id = model_id
         self._tokenizer = tokenizer
+        self._vision = vision
+        if vision is not None and tensor_parallel is not None:
+            raise ValueError("a vision model runs in one process (no --tensor-parallel)")
         self._sampling = sampling or SamplingDefaults()
         scheduler = scheduler or SchedulerConfig()
         context = min(max_context, model.config.max_position_embeddings, model.max_positions)
@@ -132,6 +141,12 @@ class RealChatModel(BackendDefaults):
     def runner(self) -> ModelRunner:
         return self._runner
 
+    def vision(self) -> VisionInfo | None:
+        spec = self._vision
+        if spec is None:
+            return None
+        return VisionInfo(max_pixels=spec.processor.longest_edge**2, image_token=spec.image_token)
+
     def sampling_defaults(self) -> SamplingDefaults:
         """The sampler settings the checkpoint recommends (generation_config.json or GGUF metadata)."""
         return self._sampling
@@ -163,8 +178,9 @@ class RealChatModel(BackendDefaults):
         cancel: CancelFlag,
         on_progress: ProgressCallback,
     ) -> CompletionResult:
-        self._check(prompt_ids, images)
-        return self.engine.run(prompt_ids, config, cancel, on_progress)
+        prompt_ids, state = self._with_images(prompt_ids, images)
+        self._check(prompt_ids)
+        return self.engine.run(prompt_ids, config, cancel, on_progress, runner_state=state)
 
     def submit_completion(
         self,
@@ -173,8 +189,10 @@ class RealChatModel(BackendDefaults):
         images: Sequence[RequestImage] | None,
         cancel: CancelFlag,
         outbox: Outbox,
-    ) -> Submission:
-        self._check(prompt_ids, images)
+    ) -> Submission | None:
+        if images:
+            return None  # decoding and preprocessing run on the request's worker thread
+        self._check(prompt_ids)
         return Delivery(self.engine, self.engine.submit(prompt_ids, config, cancel, outbox=outbox))
 
     def close(self) -> None:
@@ -185,9 +203,26 @@ class RealChatModel(BackendDefaults):
             self.tensor_parallel.close()
             self.tensor_parallel = None
 
-    def _check(self, prompt_ids: Sequence[int], images: Sequence[RequestImage] | None) -> None:
-        if images:
+    def _with_images(
+        self, prompt_ids: Sequence[int], images: Sequence[RequestImage] | None
+    ) -> tuple[Sequence[int], ImagePrompt | None]:
+        """The prompt with its images' tokens spliced in, and the images for the engine."""
+        if not images:
+            return prompt_ids, None
+        if self._vision is None:
             raise BackendError(f"model {self.model_id!r} does not accept images: it has no vision tower")
+        from turbospark.engine.vision import expand_prompt
+
+        ids, state = expand_prompt(prompt_ids, images, self._vision, self._tokenizer)
+        if len(ids) >= self._max_context:
+            raise BackendError(
+                f"with its images the prompt is {len(ids)} tokens, which does not fit model "
+                f"{self.model_id!r}'s context of {self._max_context} tokens (at least one token must be "
+                "left for the reply)"
+            )
+        return ids, state
+
+    def _check(self, prompt_ids: Sequence[int]) -> None:
         if not prompt_ids:
             raise BackendError("the prompt is empty")
         if len(prompt_ids) > self._max_context:
@@ -303,8 +338,9 @@ def load_backend(
         from turbospark.engine.tensor_parallel import check_tensor_parallel
 
         check_tensor_parallel(ckpt.config, tensor_parallel)
-    model_max = int(ckpt.config.get("max_position_embeddings", DEFAULT_MAX_CONTEXT))
-    per_token = _kv_bytes_per_token(ckpt.config, kv_dtype)
+    sizes = ckpt.config.get("text_config") or ckpt.config  # a vision model: its text model's
+    model_max = int(sizes.get("max_position_embeddings", DEFAULT_MAX_CONTEXT))
+    per_token = _kv_bytes_per_token(sizes, kv_dtype)
     if torch.device(device).type == "cuda":
         per_token //= tensor_parallel  # each GPU holds its ranks' kv heads in its own memory
     budget = int(kv_cache_gb * 2**30) if kv_cache_gb else default_kv_cache_bytes(device)
@@ -352,6 +388,7 @@ def load_backend(
         # "claude-turbospark-smollm2" for Claude Code), not as its display name SmolLM2-135M-Instruct.
         name = DEFAULT_MODEL if spec.strip() in ("", DEFAULT_MODEL) else ckpt.name
         sampling = ckpt.sampling
+        vision = _vision_spec(model, ckpt.source, tokenizer)
         del ckpt  # the float checkpoint tensors are no longer needed once the model holds its own
         release_freed_memory()
         return RealChatModel(
@@ -366,11 +403,33 @@ def load_backend(
             tensor_parallel=group,
             kv_dtype=kv_dtype,
             sampling=sampling,
+            vision=vision,
         )
     except BaseException:
         if group is not None:
             group.close()
         raise
+
+
+def _vision_spec(model: Model, source: str, tokenizer: Tokenizer) -> VisionSpec | None:
+    """How a vision family's checkpoint reads images (its folder's preprocessor_config.json);
+    None for a text model."""
+    if not hasattr(model, "encode_images"):
+        return None
+    from pathlib import Path
+
+    from turbospark.engine.vision import Idefics3ImageProcessor, VisionSpec
+
+    folder = Path(source)
+    image_id = tokenizer.token_to_id("<image>")
+    if image_id is None:
+        raise ValueError(f"{source}: the tokenizer has no <image> token")
+    return VisionSpec(
+        processor=Idefics3ImageProcessor.from_folder(folder if folder.is_dir() else folder.parent),
+        image_token="<image>",
+        image_token_id=image_id,
+        seq_len=int(model.image_seq_len),  # type: ignore[attr-defined]
+    )
 
 
 def _kv_bytes_per_token(config: dict[str, Any], dtype: torch.dtype) -> int:

@@ -58,6 +58,9 @@ class StepInputs:
     num_cached: list[int]
     num_new: list[int]
     sample_rows: list[int]
+    # a vision model's image tokens in this step: (packed rows, their input embeddings); rank 0
+    # only (vision models run in one process)
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -133,13 +136,20 @@ class ModelRunner:
         flat_ids: list[int] = []
         for seq, n in zip(batch.seqs, batch.num_new, strict=True):
             flat_ids.extend(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n])
-        return StepInputs(
+        step = StepInputs(
             input_ids=flat_ids,
             block_tables=[seq.block_table for seq in batch.seqs],
             num_cached=[seq.num_computed_tokens for seq in batch.seqs],
             num_new=list(batch.num_new),
             sample_rows=[i for i, wants in enumerate(batch.samples) if wants],
         )
+        encode = getattr(self.model, "encode_images", None)
+        if encode is not None:  # images are encoded here, on the engine thread, when first due
+            from turbospark.engine.vision import step_embeds
+
+            states = [seq.runner_state for seq in batch.seqs]
+            step.embeds = step_embeds(states, step.num_cached, step.num_new, encode, self.device)
+        return step
 
     def execute(self, batch: ScheduledBatch, *, want_ids: bool = False) -> StepOutput:
         """One forward over the step (see `engine.StepRunner`)."""
@@ -160,13 +170,18 @@ class ModelRunner:
             # only sampling sequences need the lm_head: a mid-prefill chunk's logits are unused
             meta.last_token_indices = meta.last_token_indices[rows or [0]]
         input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
-        if self.graphs is not None:
+        if step.embeds is not None:  # image tokens: a prefill chunk, always eager, layer by layer
+            self.wakeups.release()
+            embeds = step.embeds
+            out = StepOutput(self.model(input_ids, positions, meta, self.kv_cache, embeds=embeds))  # type: ignore[call-arg]
+        elif self.graphs is not None:
             if not self._captured:
                 self.graphs.capture()  # seconds, once: on the engine thread, off the event loop
                 self._captured = True
             self.wakeups.release()  # the GPU runs the step: the event loop may run meanwhile
             return StepOutput(self.graphs(input_ids, positions, meta)[: len(rows)])
-        out = self._forward(input_ids, positions, meta, want_ids=want_ids)
+        else:
+            out = self._forward(input_ids, positions, meta, want_ids=want_ids)
         out.logits = out.logits[: len(rows)]
         return out
 

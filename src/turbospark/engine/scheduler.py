@@ -138,7 +138,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, batch: ScheduledBatch, budget: int) -> bool:
         assert not seq.block_table and seq.num_computed_tokens == 0
-        hits, key = self.blocks.match_prefix(seq.token_ids, seq.config.cache_salt)
+        hits, key = self.blocks.match_prefix(seq.cache_ids(), seq.config.cache_salt)
         num_computed = len(hits) * self.blocks.block_size
         n = min(seq.num_tokens - num_computed, budget)
         needed = self.blocks.num_blocks_for(num_computed + n) - len(hits)
@@ -166,7 +166,7 @@ class Scheduler:
                 continue  # failed during the step
             seq.num_computed_tokens += n
             hashed = self.blocks.register_full_blocks(
-                seq.token_ids,
+                seq.cache_ids(),
                 seq.block_table,
                 seq.num_computed_tokens,
                 seq.num_hashed_blocks,

@@ -70,6 +70,13 @@ class Sequence:
     outbox: Outbox = field(default_factory=queue.SimpleQueue[object])
     distinct_ids: DistinctIds = field(default_factory=DistinctIds)  # for the repetition penalty
 
+    def cache_ids(self) -> list[int]:
+        """The ids the prefix cache keys this sequence's blocks by: its token ids, but where a
+        runner state says so (a vision model's images) the image tokens stand for a hash of
+        the picture (`turbospark.engine.vision.ImagePrompt`)."""
+        keyed = getattr(self.runner_state, "cache_ids", None)
+        return self.token_ids if keyed is None else keyed(self.token_ids)
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

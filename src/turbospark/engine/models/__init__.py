@@ -120,7 +120,7 @@ def build_model(
         tensor_parallel.shard_skeleton(model, shard)
     # quantized linears are read from the checkpoint's own floats: no full-size cast copy first
     overrides = {}
-    embed_name = "model.embed_tokens.weight"
+    embed_name = next((n for n in model.checkpoint_names() if n.endswith("embed_tokens.weight")), "")
     if quant is not None and dtype == torch.float32 and tensors[embed_name].dtype == torch.bfloat16:
         # float32 activations over a bf16 checkpoint (quantized on an AVX2 CPU): the table stays
         # bf16 (half the bytes, no digit lost), its rows are widened as they are looked up

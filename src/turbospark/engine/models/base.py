@@ -306,11 +306,16 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: KVCache,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: (num_tokens,) packed; returns logits (num_seqs, vocab) float32
-        of each sequence's last token, layer by layer. (Whole-step shortcuts, the CPU's one-call
-        native decode and CUDA graph replay, are the runner's strategies.)"""
+        of each sequence's last token, layer by layer. `embeds` (packed rows, their vectors):
+        input embeddings used instead of the ids' for those rows (a vision model's image tokens).
+        (Whole-step shortcuts, the CPU's one-call native decode and CUDA graph replay, are the
+        runner's strategies.)"""
         x = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
+        if embeds is not None:
+            x.index_copy_(0, embeds[0], embeds[1].to(x.dtype))
         rope = self.rotary(positions)
         residual = None
         for i, layer in enumerate(self.model.layers):

@@ -37,6 +37,7 @@ from turbospark.backend import (
 )
 from turbospark.engine.scheduler import ScheduledBatch, Scheduler
 from turbospark.engine.sequence import Sequence, SequenceFailed, SequenceStatus
+from turbospark.engine.speculative import Speculator, sample_step, settle
 from turbospark.ratecontrol import RateControl
 from turbospark.sampling import argmax_only, make_generator, sample_batch
 
@@ -109,8 +110,12 @@ class Engine:
         max_context: int,
         rate: RateControl | None = None,
         name: str = "model",
+        speculator: Speculator | None = None,
     ) -> None:
+        """`speculator`: speculative decoding (`turbospark.engine.speculative`); the runner must
+        return every verifying position's logits (`ModelRunner` does)."""
         self.runner = runner
+        self.speculator = speculator
         self.scheduler = scheduler
         self.max_context = max_context
         self.rate = rate
@@ -237,6 +242,8 @@ class Engine:
         """One engine step; returns the number of tokens handed out."""
         started = time.perf_counter()
         with self._lock:
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler.running, self.max_context)
             batch = self.scheduler.schedule()
             self._export_gauges()
         if not batch.seqs:
@@ -248,9 +255,15 @@ class Engine:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = scheduled_at
         sampling = [s for s, wants in zip(batch.seqs, batch.samples, strict=True) if wants]
+        drafts = [
+            s.draft_ids[:d]
+            for s, d, wants in zip(batch.seqs, batch.num_draft, batch.samples, strict=True)
+            if wants
+        ]
+        verifying = any(drafts)
         # where every token is an argmax, the lm_head may find it as it writes the logits
         execute_greedy = getattr(self.runner, "execute_greedy", None)
-        fused = sampling and execute_greedy is not None and argmax_only(sampling)
+        fused = sampling and execute_greedy is not None and argmax_only(sampling) and not verifying
         greedy_ids: list[int] | None = None
         forward_started = time.perf_counter()
         try:
@@ -270,35 +283,45 @@ class Engine:
         finally:
             handoff.release(kept=False)
         forward_done = time.perf_counter()
+        # each sampling sequence's new tokens: one, or a verification's accepted drafts and one more
+        results: list[list[TokenEvent] | Exception]
         if greedy_ids is not None:
-            events: list[TokenEvent | Exception] = [TokenEvent(token_id=t) for t in greedy_ids]
+            results = [[TokenEvent(token_id=t)] for t in greedy_ids]
+        elif verifying:
+            results = sample_step(logits, sampling, drafts)
         else:
-            events = sample_batch(logits, sampling)
+            results = [[e] if isinstance(e, TokenEvent) else e for e in sample_batch(logits, sampling)]
         now = time.monotonic()
         emitted = 0
         with self._lock:
             self.scheduler.update(batch)
-            for seq, event in zip(sampling, events, strict=True):
+            for seq, got, draft in zip(sampling, results, drafts, strict=True):
                 if seq.status is not SequenceStatus.RUNNING:
                     continue
-                if isinstance(event, BaseException):
-                    self.scheduler.fail(seq, event)
+                if isinstance(got, BaseException):
+                    self.scheduler.fail(seq, got)
                     continue
-                if event.token_id in seq.config.stop_token_ids:
+                for event in got:
+                    if event.token_id in seq.config.stop_token_ids:
+                        seq.last_token_time = now
+                        self.scheduler.finish(seq, FinishReason.STOP)
+                        break
+                    seq.token_ids.append(event.token_id)
+                    if seq.first_token_time is None:
+                        seq.first_token_time = now
+                        metrics.observe_first_token(self.name, now - seq.arrival_time)
+                    else:
+                        metrics.observe_inter_token(self.name, now - (seq.last_token_time or now))
                     seq.last_token_time = now
-                    self.scheduler.finish(seq, FinishReason.STOP)
-                    continue
-                seq.token_ids.append(event.token_id)
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                    metrics.observe_first_token(self.name, now - seq.arrival_time)
-                else:
-                    metrics.observe_inter_token(self.name, now - (seq.last_token_time or now))
-                seq.last_token_time = now
-                seq.emit(event)
-                emitted += 1
-                if seq.num_generated >= seq.max_new_tokens:
-                    self.scheduler.finish(seq, FinishReason.LENGTH)
+                    seq.emit(event)
+                    emitted += 1
+                    if seq.num_generated >= seq.max_new_tokens:
+                        self.scheduler.finish(seq, FinishReason.LENGTH)
+                        break
+                if draft and seq.status is SequenceStatus.RUNNING:
+                    settle(self.scheduler.blocks, seq)  # roll back past what was accepted
+            if self.speculator is not None:
+                self.speculator.observe(sampling, drafts, results)
             self._export_gauges()
         metrics.count_step(self.name, batch.num_tokens, emitted)
         self.num_steps += 1

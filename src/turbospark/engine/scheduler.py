@@ -56,16 +56,20 @@ class SchedulerConfig:
 @dataclass(slots=True)
 class ScheduledBatch:
     """One step: sequence i feeds `num_new[i]` tokens; `samples[i]` says whether they end at its
-    last known token, so a new token is sampled from that row's logits."""
+    last known token, so a new token is sampled from that row's logits. The last `num_draft[i]`
+    of them are speculative drafts (`Sequence.draft_ids`) after its last known token: every one
+    of its 1 + num_draft[i] last positions gets logits, and the engine keeps what verifies."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
+    num_draft: list[int] = field(default_factory=list)
 
-    def add(self, seq: Sequence, n: int) -> None:
+    def add(self, seq: Sequence, n: int, num_draft: int = 0) -> None:
         self.seqs.append(seq)
         self.num_new.append(n)
-        self.samples.append(seq.num_computed_tokens + n == seq.num_tokens)
+        self.samples.append(seq.num_computed_tokens + n - num_draft == seq.num_tokens)
+        self.num_draft.append(num_draft)
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +125,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.draft_ids:  # a decoding sequence verifies its drafts: they count in the budget
+                del seq.draft_ids[max(0, budget - 1) :]
+                n = min(1 + len(seq.draft_ids), budget)
+                if not self.blocks.grow(seq.block_table, seq.num_computed_tokens + n):
+                    seq.draft_ids.clear()  # drafts never preempt anybody
+                    n = 1
             while not self.blocks.grow(seq.block_table, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 assert victim is not seq or len(self.running) > 1, "a lone sequence outgrew the cache"
@@ -129,7 +139,7 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
-                batch.add(seq, n)
+                batch.add(seq, n, len(seq.draft_ids))
                 budget -= n
                 i += 1
         # after a preemption the cache is tight: admitting more now would only preempt again
@@ -163,11 +173,12 @@ class Scheduler:
 
     def update(self, batch: ScheduledBatch) -> None:
         """After the forward: each sequence's fed tokens are in the cache; the blocks that
-        became full are registered in the prefix cache."""
-        for seq, n in zip(batch.seqs, batch.num_new, strict=True):
+        became full are registered in the prefix cache. Drafts are not counted: the engine
+        counts those that verify (`speculative.settle`)."""
+        for seq, n, d in zip(batch.seqs, batch.num_new, batch.num_draft, strict=True):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # failed during the step
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - d
             hashed = self.blocks.register_full_blocks(
                 seq.token_ids,
                 seq.block_table,
@@ -199,6 +210,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.release(seq.block_table)
+        seq.draft_ids.clear()
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks, seq.last_block_key = 0, None
         seq.num_preemptions += 1

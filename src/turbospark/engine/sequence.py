@@ -68,6 +68,10 @@ class Sequence:
     # TokenEvent ... then CompletionResult or SequenceFailed; the submitter's, or a queue
     outbox: Outbox = field(default_factory=queue.SimpleQueue[object])
     distinct_ids: DistinctIds = field(default_factory=DistinctIds)  # for the repetition penalty
+    # speculative decoding (`turbospark.engine.speculative`): this step's proposed next tokens
+    # (not in token_ids until verified) and the proposer's per-sequence state
+    draft_ids: list[int] = field(default_factory=list)
+    speculation: Any = None
 
     @property
     def num_tokens(self) -> int:

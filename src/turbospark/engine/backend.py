@@ -46,6 +46,7 @@ from turbospark.engine.engine import Delivery, Engine, StepRunner
 from turbospark.engine.models import Model
 from turbospark.engine.runner import ModelRunner
 from turbospark.engine.scheduler import Scheduler, SchedulerConfig
+from turbospark.engine.speculative import SpeculativeConfig, Speculator
 from turbospark.ratecontrol import RateControl
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ class RealChatModel(BackendDefaults):
         tensor_parallel: TensorParallelGroup | None = None,
         kv_dtype: torch.dtype | None = None,
         sampling: SamplingDefaults | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         """`num_kv_blocks` sizes the KV cache (default: one full context per running sequence,
         at most 4; its elements `kv_dtype`, default the model's); the context never exceeds what
@@ -109,12 +111,19 @@ class RealChatModel(BackendDefaults):
                 BLOCK_SIZE,
             ), "tensor-parallel workers were sized differently from rank 0"
             step_runner = TensorParallelRunner(self._runner, tensor_parallel)
+        speculator = None
+        if speculative is not None:
+            if tensor_parallel is not None:  # the workers' step message carries no draft logits
+                log.info("%s: speculative decoding is off under tensor parallelism", model_id)
+            else:
+                speculator = Speculator(speculative, model=model_id)
         self.engine = Engine(
             step_runner,
             Scheduler(scheduler, self._runner.block_manager),
             max_context=self._max_context,
             rate=rate,
             name=model_id,
+            speculator=speculator,
         )
 
     @property
@@ -278,6 +287,7 @@ def load_backend(
     scheduler: SchedulerConfig | None = None,
     rate: RateControl | None = None,
     tensor_parallel: int = 1,
+    speculative: SpeculativeConfig | None = None,
 ) -> RealChatModel:
     """Loads a checkpoint (path, hub-cache id or bundled name) and returns its backend.
 
@@ -381,6 +391,7 @@ def load_backend(
             tensor_parallel=group,
             kv_dtype=kv_dtype,
             sampling=sampling,
+            speculative=speculative,
         )
     except BaseException:
         if group is not None:

@@ -70,6 +70,9 @@ from turbospark.sampling import (
 )
 
 METHODS = ("ngram", "suffix", "off")
+# what `serve` runs without --speculative: off until benchmarks/bench_speculative.py shows a
+# win on a measured device (a shared 2-core AVX2 CPU showed 1.01x on the editing set)
+DEFAULT_SPECULATIVE = "off"
 
 
 # ---- configuration --------------------------------------------------------------------------
@@ -80,7 +83,7 @@ class SpeculativeConfig:
     """`method`: "ngram" or "suffix"; `num_tokens`: most drafts per sequence and step."""
 
     method: str = "ngram"
-    num_tokens: int = 5
+    num_tokens: int = 3  # a 2-core CPU: 4 rows cost ~2.5 decode steps
     max_batch: int = 4  # decoding sequences above which a step does not speculate
     min_n: int = 2
     max_n: int = 5

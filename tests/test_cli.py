@@ -88,3 +88,20 @@ def test_terminal_chat_streams_replies() -> None:
     assert done.returncode == 0, done.stderr.decode()
     assert out.count("scripted demo model") == 2
     assert out.startswith("turbospark chat with scripted")
+
+
+@pytest.mark.parametrize(
+    ("value", "says"), [("draft:qwen2.5-coder:0.5b", "not implemented"), ("eagle", "expected one of")]
+)
+def test_an_unknown_speculative_method_exits_naming_it(value: str, says: str) -> None:
+    proc, _ = spawn("--model", "smollm2", "--speculative", value)
+    try:
+        assert proc.wait(timeout=60) != 0
+        assert proc.stderr is not None
+        err = proc.stderr.read().decode()
+        assert value in err and says in err
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stderr:
+            proc.stderr.close()

@@ -13,6 +13,7 @@ from pathlib import Path
 from turbospark import metrics
 from turbospark.backend import NO_SAMPLING_DEFAULTS, ChatModel, ReasoningEffort, SamplingDefaults
 from turbospark.engine.scheduler import SchedulerConfig
+from turbospark.engine.speculative import DEFAULT_SPECULATIVE, SpeculativeConfig, parse_speculative
 from turbospark.limits import Limits
 from turbospark.ratecontrol import RateControl, parse_thermal_steps, temperature_source
 from turbospark.registry import DEFAULT_KEEP_ALIVE, ModelRegistry, ServedModel, model_kinds
@@ -26,6 +27,15 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     """The scheduler settings the command line gives; the dataclass's defaults for the rest."""
     names = ("max_active", "max_waiting", "max_batched_tokens", "max_prefill_tokens")
     return SchedulerConfig(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """--speculative and --num-speculative-tokens (`engine.speculative`); None: off. Raises
+    ValueError naming a method that does not exist."""
+    return parse_speculative(
+        getattr(args, "speculative", None) or DEFAULT_SPECULATIVE,
+        getattr(args, "num_speculative_tokens", None),
+    )
 
 
 def rate_control(args: argparse.Namespace) -> RateControl:
@@ -72,6 +82,7 @@ def load_model(spec: str, args: argparse.Namespace, rate: RateControl | None = N
         scheduler=scheduler_config(args),
         rate=rate,
         tensor_parallel=getattr(args, "tensor_parallel", 1),
+        speculative=speculative_config(args),
     )
     return backend
 
@@ -213,6 +224,11 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     if args.system_file and not Path(args.system_file).is_file():
         log.error("--system-file %s: no such file", args.system_file)
+        return 2
+    try:
+        speculative_config(args)
+    except ValueError as exc:
+        log.error("%s", exc)
         return 2
     limits = limits_from(args)
     args.model = model_specs(args)
@@ -528,6 +544,21 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         help="KV-cache element type (auto: float16 on CPUs that run turbospark's AVX2 kernels, "
         "else the model's dtype)",
+    )
+    s.add_argument(
+        "--speculative",
+        metavar="ngram|suffix|off",
+        default=None,
+        help="speculative decoding: drafts from n-grams of the sequence's own context (ngram), "
+        f"also from earlier responses (suffix), or off (default: {DEFAULT_SPECULATIVE}; see "
+        "benchmarks/RESULTS.md); greedy output is unchanged",
+    )
+    s.add_argument(
+        "--num-speculative-tokens",
+        type=positive_int,
+        default=None,
+        metavar="K",
+        help=f"most draft tokens verified per sequence and step (default {SpeculativeConfig().num_tokens})",
     )
     s.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     s.add_argument(

@@ -197,6 +197,32 @@ REQUEST_LATENCY = Histogram(
     registry=REGISTRY,
 )
 
+SPEC_PROPOSED = Counter(
+    "turbospark_spec_proposed_tokens",
+    "Speculative draft tokens verified, by proposer",
+    ["model", "proposer"],
+    registry=REGISTRY,
+)
+SPEC_ACCEPTED = Counter(
+    "turbospark_spec_accepted_tokens",
+    "Speculative draft tokens accepted, by proposer",
+    ["model", "proposer"],
+    registry=REGISTRY,
+)
+SPEC_VERIFICATIONS = Counter(
+    "turbospark_spec_verifications",
+    "Sequence-steps that verified drafts, by proposer (accepted / verifications: the mean accepted length)",
+    ["model", "proposer"],
+    registry=REGISTRY,
+)
+SPEC_ACCEPTANCE = Histogram(
+    "turbospark_spec_acceptance_rate",
+    "Per verification, the share of its drafts accepted, by proposer",
+    ["model", "proposer"],
+    buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
+    registry=REGISTRY,
+)
+
 _children: dict[tuple[int, str], Any] = {}
 
 
@@ -213,6 +239,16 @@ def count_step(model: str, num_fed: int, num_generated: int) -> None:
     """Once per engine step: tokens through the forward, tokens handed out."""
     _child(FORWARD_TOKENS, model).inc(num_fed)
     _child(GENERATION_TOKENS, model).inc(num_generated)
+
+
+def count_speculation(model: str, proposer: str, proposed: int, accepted: int, rates: list[float]) -> None:
+    """Once per engine step that verified drafts: totals, and each verification's acceptance."""
+    SPEC_PROPOSED.labels(model, proposer).inc(proposed)
+    SPEC_ACCEPTED.labels(model, proposer).inc(accepted)
+    SPEC_VERIFICATIONS.labels(model, proposer).inc(len(rates))
+    histogram = SPEC_ACCEPTANCE.labels(model, proposer)
+    for rate in rates:
+        histogram.observe(rate)
 
 
 def observe_first_token(model: str, seconds: float) -> None:

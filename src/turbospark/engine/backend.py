@@ -48,6 +48,7 @@ from turbospark.engine.memory import fix_mmap_threshold, release_freed_memory, w
 from turbospark.engine.models import Model
 from turbospark.engine.runner import ModelRunner
 from turbospark.engine.scheduler import Scheduler, SchedulerConfig
+from turbospark.engine.speculative import SpeculativeConfig, Speculator
 from turbospark.ratecontrol import RateControl
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ class RealChatModel(BackendDefaults):
         kv_dtype: torch.dtype | None = None,
         sampling: SamplingDefaults | None = None,
         vision: VisionSpec | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         """`vision`: how this model reads images (None: it refuses them). `num_kv_blocks` sizes
         the KV cache (default: one full context per running sequence,
@@ -117,12 +119,19 @@ class RealChatModel(BackendDefaults):
                 BLOCK_SIZE,
             ), "tensor-parallel workers were sized differently from rank 0"
             step_runner = TensorParallelRunner(self._runner, tensor_parallel)
+        speculator = None
+        if speculative is not None:
+            if tensor_parallel is not None:  # the workers' step message carries no draft logits
+                log.info("%s: speculative decoding is off under tensor parallelism", model_id)
+            else:
+                speculator = Speculator(speculative, model=model_id)
         self.engine = Engine(
             step_runner,
             Scheduler(scheduler, self._runner.block_manager),
             max_context=self._max_context,
             rate=rate,
             name=model_id,
+            speculator=speculator,
         )
 
     @property
@@ -298,6 +307,7 @@ def load_backend(
     scheduler: SchedulerConfig | None = None,
     rate: RateControl | None = None,
     tensor_parallel: int = 1,
+    speculative: SpeculativeConfig | None = None,
 ) -> RealChatModel:
     """Loads a checkpoint (path, hub-cache id or bundled name) and returns its backend.
 
@@ -404,6 +414,7 @@ def load_backend(
             kv_dtype=kv_dtype,
             sampling=sampling,
             vision=vision,
+            speculative=speculative,
         )
     except BaseException:
         if group is not None:

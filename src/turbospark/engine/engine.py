@@ -38,6 +38,7 @@ from turbospark.backend import (
 )
 from turbospark.engine.scheduler import ScheduledBatch, Scheduler
 from turbospark.engine.sequence import Sequence, SequenceFailed, SequenceStatus
+from turbospark.engine.speculative import Speculator, sample_step
 from turbospark.ratecontrol import RateControl
 from turbospark.sampling import argmax_only, make_generator, sample_batch
 
@@ -120,8 +121,12 @@ class Engine:
         max_context: int,
         rate: RateControl | None = None,
         name: str = "model",
+        speculator: Speculator | None = None,
     ) -> None:
+        """`speculator`: speculative decoding (`turbospark.engine.speculative`); the runner must
+        return every verifying position's logits (`ModelRunner` does)."""
         self.runner = runner
+        self.speculator = speculator
         self.scheduler = scheduler
         self.max_context = max_context
         self.rate = rate
@@ -249,6 +254,8 @@ class Engine:
         """One engine step: schedule -> run -> sample -> post. Returns the tokens handed out."""
         started = time.perf_counter()
         with self._lock:
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler.running, self.max_context)
             batch = self.scheduler.schedule()
             self._export_gauges()
         if not batch.seqs:
@@ -256,16 +263,25 @@ class Engine:
             time.sleep(0.001)  # everything left was cancelled, or waits for blocks
             return 0
         sampling = batch.sampling_seqs()
-        output = self._run(batch, want_ids=bool(sampling) and argmax_only(sampling))
+        drafts = batch.drafts()
+        verifying = any(drafts)
+        # an all-greedy step may take its argmax from the runner (found as the lm_head writes it)
+        output = self._run(batch, want_ids=bool(sampling) and argmax_only(sampling) and not verifying)
         if output is None:
             return 0
         ran = time.perf_counter()
+        # each sampling sequence's new tokens: one, or a verification's accepted drafts and one more
+        results: list[list[TokenEvent] | Exception]
         if output.token_ids is not None:
-            events: list[TokenEvent | Exception] = [TokenEvent(token_id=t) for t in output.token_ids]
+            results = [[TokenEvent(token_id=t)] for t in output.token_ids]
+        elif verifying:
+            results = sample_step(output.logits, sampling, drafts)
         else:
-            events = sample_batch(output.logits, sampling)
+            results = [[e] if isinstance(e, TokenEvent) else e for e in sample_batch(output.logits, sampling)]
         with self._lock:
-            emitted = self.scheduler.post(batch, sampling, events, self.name)
+            emitted = self.scheduler.post(batch, sampling, results, self.name)
+            if self.speculator is not None:
+                self.speculator.observe(sampling, drafts, results)
             self._export_gauges()
         metrics.count_step(self.name, batch.num_tokens, emitted)
         self.num_steps += 1

@@ -12,6 +12,7 @@ sequence holds.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -47,7 +48,9 @@ class Wakeups(Protocol):
 class StepInputs:
     """Everything one engine step's forward reads, as plain lists: sequence i has
     `num_cached[i]` tokens in the blocks of `block_tables[i]` and feeds `num_new[i]` new ones
-    (packed, in order, in `input_ids`); logits come back for the sequences in `sample_rows`.
+    (packed, in order, in `input_ids`); logits come back for the sequences in `sample_rows`:
+    for each, its last `num_logits[j]` positions (one where `num_logits` is empty; more for a
+    sequence verifying speculative drafts), in order.
 
     This is the whole of what a tensor-parallel worker needs from rank 0 per step
     (`turbospark.engine.parallel`): the metadata is rebuilt from it identically on every rank.
@@ -58,6 +61,7 @@ class StepInputs:
     num_cached: list[int]
     num_new: list[int]
     sample_rows: list[int]
+    num_logits: list[int] = field(default_factory=list)
     # a vision model's image tokens in this step: (packed rows, their input embeddings); rank 0
     # only (vision models run in one process)
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -134,14 +138,18 @@ class ModelRunner:
     def step_inputs(self, batch: ScheduledBatch) -> StepInputs:
         """What one forward over the scheduled batch needs, in plain lists (see `StepInputs`)."""
         flat_ids: list[int] = []
-        for seq, n in zip(batch.seqs, batch.num_new, strict=True):
-            flat_ids.extend(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n])
+        for seq, n, d in zip(batch.seqs, batch.num_new, batch.num_draft, strict=True):
+            flat_ids.extend(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n - d])
+            if d:  # speculative drafts after the last known token
+                flat_ids.extend(seq.draft_ids[:d])
+        rows = [i for i, wants in enumerate(batch.samples) if wants]
         step = StepInputs(
             input_ids=flat_ids,
             block_tables=[seq.block_table for seq in batch.seqs],
             num_cached=[seq.num_computed_tokens for seq in batch.seqs],
             num_new=list(batch.num_new),
-            sample_rows=[i for i, wants in enumerate(batch.samples) if wants],
+            sample_rows=rows,
+            num_logits=[1 + batch.num_draft[i] for i in rows] if any(batch.num_draft) else [],
         )
         encode = getattr(self.model, "encode_images", None)
         if encode is not None:  # images are encoded here, on the engine thread, when first due
@@ -160,13 +168,24 @@ class ModelRunner:
         """One forward over a step's inputs, by one of three strategies: a CUDA graph replay
         (decode-only steps on CUDA; others eager inside `CudaGraphRunner`), the CPU's one-call
         native decode step (`NativeDecoder`, all-decode steps it takes), or the model's own
-        layer-by-layer forward. Each releases the held event-loop wake-ups as it enters its long
-        call, where the loop's Python runs beside it instead of contending for the GIL."""
+        layer-by-layer forward (image tokens always). Logits come back for `sample_rows` (with
+        `num_logits`: sum(num_logits) rows, each verifying sequence's last positions). Each
+        strategy releases the held event-loop wake-ups as it enters its long call, where the
+        loop's Python runs beside it instead of contending for the GIL."""
         meta, positions = build_attention_metadata(
             step.block_tables, step.num_cached, step.num_new, self.kv_cache.block_size, self.device
         )
         rows = step.sample_rows
-        if len(rows) != len(step.num_new):
+        if step.num_logits:
+            # sequences that verify drafts get the logits of every position from their last
+            # known token on
+            ends = list(itertools.accumulate(step.num_new))
+            picked = [
+                p for r, c in zip(rows, step.num_logits, strict=True) for p in range(ends[r] - c, ends[r])
+            ]
+            meta.last_token_indices = torch.tensor(picked, dtype=torch.long, device=self.device)
+            rows = picked
+        elif len(rows) != len(step.num_new):
             # only sampling sequences need the lm_head: a mid-prefill chunk's logits are unused
             meta.last_token_indices = meta.last_token_indices[rows or [0]]
         input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)

@@ -49,16 +49,20 @@ class SchedulerConfig:
 @dataclass(slots=True)
 class ScheduledBatch:
     """One step: sequence i feeds `num_new[i]` tokens; `samples[i]` says whether they end at its
-    last known token, so a new token is sampled from that row's logits."""
+    last known token, so a new token is sampled from that row's logits. The last `num_draft[i]`
+    of them are speculative drafts (`Sequence.draft_ids`) after its last known token: every one
+    of its 1 + num_draft[i] last positions gets logits, and the engine keeps what verifies."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
+    num_draft: list[int] = field(default_factory=list)
 
-    def add(self, seq: Sequence, n: int) -> None:
+    def add(self, seq: Sequence, n: int, num_draft: int = 0) -> None:
         self.seqs.append(seq)
         self.num_new.append(n)
-        self.samples.append(seq.num_computed_tokens + n == seq.num_tokens)
+        self.samples.append(seq.num_computed_tokens + n - num_draft == seq.num_tokens)
+        self.num_draft.append(num_draft)
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +71,14 @@ class ScheduledBatch:
     def sampling_seqs(self) -> list[Sequence]:
         """The sequences that get a new token this step, in batch order (the logits' rows)."""
         return [seq for seq, wants in zip(self.seqs, self.samples, strict=True) if wants]
+
+    def drafts(self) -> list[list[int]]:
+        """Each sampling sequence's drafts verified this step (empty where none), batch order."""
+        return [
+            seq.draft_ids[:d]
+            for seq, d, wants in zip(self.seqs, self.num_draft, self.samples, strict=True)
+            if wants
+        ]
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -118,6 +130,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.draft_ids:  # a decoding sequence verifies its drafts: they count in the budget
+                del seq.draft_ids[max(0, budget - 1) :]
+                n = min(1 + len(seq.draft_ids), budget)
+                if not self.blocks.grow(seq.block_table, seq.num_computed_tokens + n):
+                    seq.draft_ids.clear()  # drafts never preempt anybody
+                    n = 1
             while not self.blocks.grow(seq.block_table, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 assert victim is not seq or len(self.running) > 1, "a lone sequence outgrew the cache"
@@ -126,7 +144,7 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
-                batch.add(seq, n)
+                batch.add(seq, n, len(seq.draft_ids))
                 budget -= n
                 i += 1
         # after a preemption the cache is tight: admitting more now would only preempt again
@@ -134,6 +152,10 @@ class Scheduler:
             if not self._admit(self.waiting[0], batch, budget):
                 break
             budget -= batch.num_new[-1]
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.first_scheduled_time is None:  # its queue time ends here (`Sequence.result`)
+                seq.first_scheduled_time = now
         return batch
 
     def _admit(self, seq: Sequence, batch: ScheduledBatch, budget: int) -> bool:
@@ -160,11 +182,12 @@ class Scheduler:
 
     def update(self, batch: ScheduledBatch) -> None:
         """After the forward: each sequence's fed tokens are in the cache; the blocks that
-        became full are registered in the prefix cache."""
-        for seq, n in zip(batch.seqs, batch.num_new, strict=True):
+        became full are registered in the prefix cache. Drafts are not counted: the engine
+        counts those that verify (`settle`)."""
+        for seq, n, d in zip(batch.seqs, batch.num_new, batch.num_draft, strict=True):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # failed during the step
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - d
             hashed = self.blocks.register_full_blocks(
                 seq.cache_ids(),
                 seq.block_table,
@@ -178,29 +201,55 @@ class Scheduler:
         self,
         batch: ScheduledBatch,
         sampling: list[Sequence],
-        events: list[TokenEvent | Exception],
+        results: list[list[TokenEvent] | Exception],
         model: str,
     ) -> int:
         """After a step's forward and sampling: the fed tokens are in the cache (`update`), and
-        each sampling sequence takes its event: a failure fails it, a stop token or its length
-        budget finishes it, a token goes to its outbox. Returns the tokens handed out."""
+        each sampling sequence takes its tokens (one, or a verification's accepted drafts and one
+        more): a failure fails it, a stop token or its length budget finishes it, each token goes
+        to its outbox; a verifying sequence's cache is then cut back to what it kept (`settle`).
+        Returns the tokens handed out."""
         self.update(batch)
         now = time.monotonic()
         emitted = 0
-        for seq, event in zip(sampling, events, strict=True):
+        for seq, got, d in zip(sampling, results, batch.drafts(), strict=True):
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            if isinstance(event, BaseException):
-                self.fail(seq, event)
-            elif event.token_id in seq.config.stop_token_ids:
-                seq.last_token_time = now
-                self.finish(seq, FinishReason.STOP)
-            else:
+            if isinstance(got, BaseException):
+                self.fail(seq, got)
+                continue
+            for event in got:
+                if event.token_id in seq.config.stop_token_ids:
+                    seq.last_token_time = now
+                    self.finish(seq, FinishReason.STOP)
+                    break
                 seq.append(event, now, model)
                 emitted += 1
                 if seq.num_generated >= seq.max_new_tokens:
                     self.finish(seq, FinishReason.LENGTH)
+                    break
+            if d and seq.status is SequenceStatus.RUNNING:
+                self.settle(seq)
         return emitted
+
+    def settle(self, seq: Sequence) -> None:
+        """After a verification's tokens were appended: the accepted drafts count as computed,
+        their full blocks join the prefix cache, blocks past the kept length go back."""
+        blocks = self.blocks
+        seq.num_computed_tokens = seq.num_tokens - 1
+        seq.num_hashed_blocks, seq.last_block_key = blocks.register_full_blocks(
+            seq.cache_ids(),
+            seq.block_table,
+            seq.num_computed_tokens,
+            seq.num_hashed_blocks,
+            seq.last_block_key,
+        )
+        keep = blocks.num_blocks_for(seq.num_tokens)
+        if len(seq.block_table) > keep:
+            tail = seq.block_table[keep:]
+            del seq.block_table[keep:]
+            blocks.release(tail)
+        seq.draft_ids = []
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Ends a sequence: its blocks go back, its result goes to its outbox."""
@@ -224,6 +273,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.release(seq.block_table)
+        seq.draft_ids.clear()
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks, seq.last_block_key = 0, self.blocks.root_key(seq.config.cache_salt)
         seq.num_preemptions += 1

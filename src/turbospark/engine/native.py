@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from turbospark.engine import row_kernels
+
 log = logging.getLogger(__name__)
 
 ENV_VAR = "TURBOSPARK_NATIVE_KERNELS"
@@ -186,8 +188,11 @@ class Kernels:
 
 def takes(x: torch.Tensor) -> Kernels | None:
     """The kernels when they take this activation: float32 on the CPU, at most MAX_ROWS rows
-    (a decode step's), else None. Called for every norm, rotary and MLP of a decode step."""
-    if x.dtype is not torch.float32 or x.shape[0] > MAX_ROWS or not x.is_cpu:
+    (a decode step's; any number in a role-planned forward, `row_kernels`: these kernels treat
+    each row alone), else None. Called for every norm, rotary and MLP of a decode step."""
+    if x.dtype is not torch.float32 or not x.is_cpu:
+        return None
+    if x.shape[0] > MAX_ROWS and row_kernels.role() is None:
         return None
     return _enabled()
 

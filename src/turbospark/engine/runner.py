@@ -21,6 +21,7 @@ import torch
 from turbospark import handoff
 from turbospark.backend import CancelFlag, CompletionResult, GenerationConfig, ProgressCallback
 from turbospark.decode import run_decode_loop
+from turbospark.engine import row_kernels
 from turbospark.engine.attention import AttentionBackend, build_attention_metadata
 from turbospark.engine.kv_cache import BlockManager, KVCache
 from turbospark.engine.models import Model
@@ -45,6 +46,7 @@ class StepInputs:
     num_cached: list[int]
     num_new: list[int]
     sample_rows: list[int]
+    num_prompt: list[int] | None = None  # each sequence's prompt length (row roles, `row_kernels`)
 
 
 @dataclass(slots=True)
@@ -100,6 +102,8 @@ class ModelRunner:
             attention=attention,
         )
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        # rows run by role on the CPU: a generated token's keys stay out of the prefix cache
+        self.block_manager.cache_generated = self.device.type != "cpu" or not row_kernels.reproducible()
         self.graphs: CudaGraphRunner | None = None
         if is_cuda and cuda_graphs:
             from turbospark.engine.cuda_graphs import CudaGraphRunner
@@ -123,6 +127,7 @@ class ModelRunner:
             num_cached=[seq.num_computed_tokens for seq in batch.seqs],
             num_new=list(batch.num_new),
             sample_rows=[i for i, wants in enumerate(batch.samples) if wants],
+            num_prompt=[seq.num_prompt_tokens for seq in batch.seqs],
         )
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -147,6 +152,7 @@ class ModelRunner:
         meta, positions = build_attention_metadata(
             step.block_tables, step.num_cached, step.num_new, self.kv_cache.block_size, self.device
         )
+        meta.prompt_lens_host = step.num_prompt
         rows = step.sample_rows
         if len(rows) != len(step.num_new):
             # only sampling sequences need the lm_head: a mid-prefill chunk's logits are unused

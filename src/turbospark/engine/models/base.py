@@ -17,6 +17,7 @@ Attribute names equal the Hugging Face weight names, so a checkpoint loads witho
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, Self
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from turbospark import handoff
-from turbospark.engine import cuda_ops
+from turbospark.engine import cuda_ops, row_kernels
 from turbospark.engine.attention import AttentionMetadata
 from turbospark.engine.kv_cache import KVCache, LayerCache
 from turbospark.engine.layers import (
@@ -321,19 +322,77 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: (num_tokens,) packed; returns logits (num_seqs, vocab) of each
         sequence's last token. With `argmax` (a list) and a native step whose lm_head finds the
-        rows' argmax as it writes them, those ids (num_seqs,) int64 are appended to it."""
+        rows' argmax as it writes them, those ids (num_seqs,) int64 are appended to it.
+
+        On the CPU (unless $TURBOSPARK_FAST_NONDETERMINISTIC) the step's rows run the kernels of
+        their role, a mixed step as one forward per role (`engine/row_kernels.py`)."""
+        if input_ids.is_cpu and row_kernels.role() is None and row_kernels.reproducible():
+            return self._forward_by_role(input_ids, positions, meta, kv_cache, argmax)
+        return self._forward(input_ids, positions, meta, kv_cache, argmax)
+
+    def _forward_by_role(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        argmax: list[torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """The step as the forwards `row_kernels.split_step` cuts it into, each under its role;
+        logits (and argmax ids) put back in the step's order of sampling sequences."""
+        qlens, seq_lens = meta.query_lens_host, meta.seq_lens_host
+        is_decode = row_kernels.decode_sequences(qlens, seq_lens, meta.prompt_lens_host)
+        parts = row_kernels.split_step(is_decode)
+        if parts is None:
+            with row_kernels.rows_as("decode" if is_decode[0] else "prompt"):
+                return self._forward(input_ids, positions, meta, kv_cache, argmax)
+        starts = [0]
+        for n in qlens:
+            starts.append(starts[-1] + n)
+        seq_of_last_row = {starts[i + 1] - 1: i for i in range(len(qlens))}
+        sampled = [seq_of_last_row[r] for r in meta.last_token_indices.tolist()]
+        logits_of: dict[int, torch.Tensor] = {}
+        ids_of: dict[int, torch.Tensor] = {}
+        is_sampled = set(sampled)
+        for role, seqs in parts:
+            want = [i for i in seqs if i in is_sampled] or seqs[:1]
+            sub, sub_positions = meta.select(seqs, want)
+            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs])
+            found: list[torch.Tensor] | None = [] if argmax is not None else None
+            with row_kernels.rows_as(role):
+                out = self._forward(input_ids[rows], sub_positions, sub, kv_cache, found)
+            for j, i in enumerate(want):
+                logits_of[i] = out[j]
+                if found:
+                    ids_of[i] = found[0][j]
+        if argmax is not None and all(i in ids_of for i in sampled):
+            argmax.append(torch.stack([ids_of[i] for i in sampled]))
+        return torch.stack([logits_of[i] for i in sampled])
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+        argmax: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
         rope = self.rotary(positions)
         decoder = self.native_decoder()
-        if decoder is not None and decoder.takes(input_ids, meta, kv_cache):
+        role = row_kernels.role()
+        # the lm_head's rows (one per sampling sequence) always run as decode rows
+        head_role = None if role is None else row_kernels.rows_as("decode")
+        if decoder is not None and role != "prompt" and decoder.takes(input_ids, meta, kv_cache):
             h = decoder.run(x, rope, meta, kv_cache)
             fused = getattr(self.lm_head, "forward_argmax", None)
-            if argmax is not None and fused is not None:
-                logits, ids = fused(h)
-                if ids is not None:
-                    argmax.append(ids)
-                return logits.float()  # type: ignore[no-any-return]
-            return self.lm_head(h).float()  # type: ignore[no-any-return]
+            with head_role or contextlib.nullcontext():
+                if argmax is not None and fused is not None:
+                    logits, ids = fused(h)
+                    if ids is not None:
+                        argmax.append(ids)
+                    return logits.float()  # type: ignore[no-any-return]
+                return self.lm_head(h).float()  # type: ignore[no-any-return]
         # layer by layer, torch lets the GIL go around every op: nothing to wait for
         handoff.release()
         residual = None
@@ -344,4 +403,5 @@ class CausalLM(nn.Module):
         if last.shape[0] != x.shape[0]:  # else one token per sequence (decodes): all are last
             x, residual = x[last], residual[last]
         h, _ = self.model.norm.add_norm(x, residual)  # (num_seqs, hidden)
-        return self.lm_head(h).float()  # type: ignore[no-any-return]
+        with head_role or contextlib.nullcontext():
+            return self.lm_head(h).float()  # type: ignore[no-any-return]

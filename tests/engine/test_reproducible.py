@@ -41,7 +41,9 @@ def run(engine: Engine, prompt: list[int], config: GenerationConfig) -> list[int
     return engine.run(prompt, config, NEVER_CANCEL, lambda _: None).token_ids
 
 
-def run_together(engine: Engine, prompts: list[list[int]], configs: list[GenerationConfig]) -> list[list[int]]:
+def run_together(
+    engine: Engine, prompts: list[list[int]], configs: list[GenerationConfig]
+) -> list[list[int]]:
     """Every request submitted at once from its own thread: prompts chunked between decodes."""
     out: list[list[int] | None] = [None] * len(prompts)
 
@@ -68,7 +70,7 @@ def every_way(
     seen["cold"] = run(engine, prompt, config)
     seen["cached, same prompt"] = run(engine, prompt, config)
     engine = make_engine(64)
-    run(engine, prompt[: len(prompt) - 5] + [11, 12, 13], GREEDY)  # shares all but the tail
+    run(engine, [*prompt[: len(prompt) - 5], 11, 12, 13], GREEDY)  # shares all but the tail
     seen["cached, shared prefix"] = run(engine, prompt, config)
     seen["chunks of 3"] = run(make_engine(3), prompt, config)
     seen["chunks of 7"] = run(make_engine(7), prompt, config)
@@ -113,21 +115,35 @@ def test_a_later_turn_repeating_an_answer_gives_the_cold_tokens() -> None:
     answer = run(engine, first, GREEDY)
     turn = [*first, *answer, 20, 21, 22]
     warm = run(engine, turn, GREEDY)
-    assert engine.scheduler.blocks.num_hit_tokens >= len(first) // 4 * 4  # the prompt was reused
+    assert engine.scheduler.num_prefix_hit_tokens >= len(first) // 4 * 4  # the prompt was reused
     assert warm == run(engine_for(model, 64, torch.float16), turn, GREEDY)
 
 
+@pytest.mark.skipif(not row_kernels.reproducible(), reason="run with $TURBOSPARK_FAST_NONDETERMINISTIC")
 def test_torch_kernels_are_reproducible_too() -> None:
-    """The same checks with the native kernels off: torch's kernels, which any CPU runs."""
+    """The same checks with the native kernels off (torch's kernels, which any CPU runs), in a
+    process of their own: the CPU profile is fixed per process."""
     env = {**os.environ, "TURBOSPARK_NATIVE_KERNELS": "0"}
-    env.pop(row_kernels.ENV_VAR, None)
-    here = os.path.dirname(__file__)
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.join(here, __file__),
-         "-k", "every_way and int4 and llama"],
-        env=env, capture_output=True, text=True, timeout=900, cwd=here,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            __file__,
+            "-k",
+            "llama-int4 or qwen2-int8",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=os.path.dirname(__file__),
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "2 passed" in result.stdout
 
 
 @pytest.mark.slow
@@ -145,8 +161,16 @@ def test_smollm2_as_served_gives_the_same_tokens_every_way() -> None:
     def make(budget: int) -> Engine:
         return engine_for(model, budget, kv_dtype)
 
-    texts = ["Tell me a story about a cat.", "What is 2 + 2?", "Name a color.", "Say hi.",
-             "Write a haiku about rain.", "List three fruits.", "Who wrote Hamlet?", "Count to five."]
+    texts = [
+        "Tell me a story about a cat.",
+        "What is 2 + 2?",
+        "Name a color.",
+        "Say hi.",
+        "Write a haiku about rain.",
+        "List three fruits.",
+        "Who wrote Hamlet?",
+        "Count to five.",
+    ]
     tokenizer = backend._tokenizer
     prompts = [tokenizer.encode(f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n") for t in texts]
     for config in (GREEDY, SEEDED):

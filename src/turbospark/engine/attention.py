@@ -262,7 +262,9 @@ class CpuAttention:
         write_kv(k, v, k_cache, v_cache, meta)
         num_tokens, num_heads, head_dim = q.shape
         if row_kernels.role() is not None and q.device.type == "cpu":
-            return _attention_by_row(q, k_cache, v_cache, meta, scale).reshape(num_tokens, num_heads * head_dim)
+            return _attention_by_row(q, k_cache, v_cache, meta, scale).reshape(
+                num_tokens, num_heads * head_dim
+            )
         num_kv_heads = k_cache.shape[0]
         group = num_heads // num_kv_heads
         out = q.new_empty(num_tokens, num_heads, head_dim)

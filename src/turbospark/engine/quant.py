@@ -207,7 +207,9 @@ class Int8Linear(nn.Module):
         multiple = row_kernels.packed_multiple()
         if self.packed is not None and multiple is not None:
             packed = self.packed
-            out = row_kernels.padded(x.float(), multiple, lambda a: torch.ops.quantized.linear_dynamic_fp16(a, packed))
+            out = row_kernels.padded(
+                x.float(), multiple, lambda a: torch.ops.quantized.linear_dynamic_fp16(a, packed)
+            )
             out = out * self.out_scales
             out = out if self.bias is None else out + self.bias
             return out.to(x.dtype)
@@ -311,7 +313,9 @@ class Int4Linear(nn.Module):
             assert kernels is not None
             q4, bias = self.q4, self.float_bias
             rows = max(1, self.native_rows)
-            return row_kernels.in_groups(x.float(), rows, lambda a: kernels.q4_matmul(a, q4, bias)).to(x.dtype)
+            return row_kernels.in_groups(x.float(), rows, lambda a: kernels.q4_matmul(a, q4, bias)).to(
+                x.dtype
+            )
         multiple = row_kernels.packed_multiple()
         if self.packed is not None and multiple is not None:
             packed = self.packed

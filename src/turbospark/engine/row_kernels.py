@@ -134,9 +134,7 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) ->
     return fn(x) if multiple is None else padded(x, multiple, fn)
 
 
-def decode_sequences(
-    query_lens: list[int], seq_lens: list[int], prompt_lens: list[int] | None
-) -> list[bool]:
+def decode_sequences(query_lens: list[int], seq_lens: list[int], prompt_lens: list[int] | None) -> list[bool]:
     """Per sequence of a step: is it a decode (one generated token fed back)? Without the
     prompt lengths (the one-sequence reference path), a single new token counts as one."""
     if prompt_lens is None:

@@ -225,7 +225,6 @@ class Scheduler:
         self.blocks.check()
 
 
-
 def _cacheable(seq: Sequence, blocks: BlockManager) -> int:
     """How many of the sequence's computed tokens may enter the prefix cache: all of them, or
     where the blocks hold no generated tokens' keys (`BlockManager.cache_generated` off: the CPU

@@ -186,6 +186,10 @@ def serve(args: argparse.Namespace) -> int:
     if args.system_file and not Path(args.system_file).is_file():
         log.error("--system-file %s: no such file", args.system_file)
         return 2
+    if getattr(args, "fast_nondeterministic", False):
+        from turbospark.engine import row_kernels
+
+        os.environ[row_kernels.ENV_VAR] = "1"  # read per step; set before any model loads
     limits = limits_from(args)
     registry = ModelRegistry(fallback=args.fallback_model, limits=limits)
     args.model = model_specs(args)
@@ -333,6 +337,12 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         help="KV-cache element type (auto: float16 on CPUs that run turbospark's AVX2 kernels, "
         "else the model's dtype)",
+    )
+    s.add_argument(
+        "--fast-nondeterministic",
+        action="store_true",
+        help="CPU: pick kernels by a step's row count (faster mixed steps and large batches; a "
+        "request's tokens may then depend on the batch, the prefix cache and the chunking)",
     )
     s.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     s.add_argument(

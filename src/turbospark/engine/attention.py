@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from turbospark.engine import native, row_kernels
+from turbospark.engine import native
 from turbospark.engine.cpu_kernels import native_kernels_for
 
 
@@ -52,27 +52,6 @@ class AttentionMetadata:
     write_range: tuple[int, int] | None = None
     # Filled lazily by a backend for its own use, reused by every layer of the step.
     scratch: dict[str, object] = field(default_factory=dict)
-    # each sequence's prompt length, where the runner knows it: a new token at a position past
-    # it is a generated one (`row_kernels.decode_sequences`); None: a single new token is
-    prompt_lens_host: list[int] | None = None
-
-    def select(self, seqs: Sequence[int], sampled: Sequence[int]) -> tuple[AttentionMetadata, torch.Tensor]:
-        """(metadata, positions) of a step of only the sequences `seqs` (in order), whose
-        logits are those of `sampled` (a subset of seqs, in the same order)."""
-        qlens, kv = self.query_lens_host, self.seq_lens_host
-        meta, positions = build_attention_metadata(
-            [self.block_tables_host[i] for i in seqs],
-            [kv[i] - qlens[i] for i in seqs],
-            [qlens[i] for i in seqs],
-            self.block_size,
-            self.slot_mapping.device,
-        )
-        if self.prompt_lens_host is not None:
-            meta.prompt_lens_host = [self.prompt_lens_host[i] for i in seqs]
-        local = {i: j for j, i in enumerate(seqs)}
-        last = meta.last_token_indices
-        meta.last_token_indices = last[[local[i] for i in sampled]] if len(sampled) != len(seqs) else last
-        return meta, positions
 
     @property
     def num_seqs(self) -> int:
@@ -266,10 +245,6 @@ class CpuAttention:
     ) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta)
         num_tokens, num_heads, head_dim = q.shape
-        if row_kernels.role() is not None and q.device.type == "cpu":
-            return _attention_by_row(q, k_cache, v_cache, meta, scale).reshape(
-                num_tokens, num_heads * head_dim
-            )
         num_kv_heads = k_cache.shape[0]
         group = num_heads // num_kv_heads
         out = q.new_empty(num_tokens, num_heads, head_dim)
@@ -323,52 +298,6 @@ class CpuAttention:
                 qd, ks.transpose(0, 1), vs.transpose(0, 1), attn_mask=mask, scale=scale
             )  # (num_decodes, num_kv_heads, group, head_dim)
         return o.reshape(-1, num_heads, head_dim)
-
-
-def row_context_slots(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """(for every query row of the step, the cache slots of its own context, positions 0 ..
-    its own, concatenated; offsets (num_tokens + 1)) int64 on the CPU: each new token read
-    as if it were the one decoding token of its sequence. Built once per step."""
-    built = meta.scratch.get("row_slots")
-    if built is None:
-        parts: list[torch.Tensor] = []
-        lengths: list[torch.Tensor] = []
-        for i, (qlen, kv_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
-            slots = meta.context_slots(i)
-            ids = torch.arange(slots.start, slots.stop) if isinstance(slots, slice) else slots
-            n = torch.arange(kv_len - qlen + 1, kv_len + 1)  # each row's context length
-            first = torch.cumsum(n, 0) - n  # where each row's run starts in the flat list
-            flat = torch.arange(int(n.sum())) - torch.repeat_interleave(first, n)
-            parts.append(ids[flat])
-            lengths.append(n)
-        offsets = torch.zeros(sum(meta.query_lens_host) + 1, dtype=torch.long)
-        torch.cumsum(torch.cat(lengths), 0, out=offsets[1:])
-        built = (torch.cat(parts), offsets)
-        meta.scratch["row_slots"] = built
-    assert isinstance(built, tuple)
-    return built
-
-
-def _attention_by_row(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-) -> torch.Tensor:
-    """Every query row over its own context in one fixed order, whatever else the step holds and
-    however its prompt was chunked (`row_kernels`): the native decode kernel with one row per
-    "sequence" (its parts of 256 slots always start at slot 0), else one SDPA per row."""
-    slot_ids, offsets = row_context_slots(meta)
-    kernels = _native_decode(q, k_cache, v_cache)
-    if kernels is not None:
-        return kernels.decode_attention(q, k_cache, v_cache, slot_ids, offsets, scale)
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[0]
-    out = q.new_empty(num_tokens, num_heads, head_dim)
-    bounds = offsets.tolist()
-    for r in range(num_tokens):
-        slots = slot_ids[bounds[r] : bounds[r + 1]].to(q.device)
-        ks, vs = _gather(k_cache, slots, q.dtype), _gather(v_cache, slots, q.dtype)
-        qr = q[r].view(1, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out[r] = F.scaled_dot_product_attention(qr, ks[None], vs[None], scale=scale).view(num_heads, head_dim)
-    return out
 
 
 def _plan(meta: AttentionMetadata, device: torch.device) -> _CpuPlan:

@@ -105,7 +105,12 @@ def test_health_is_503_while_loading_then_200(served: Served) -> None:
 def test_models_list_the_embedded_default(served: Served) -> None:
     with openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0) as client:
         ids = [m.id for m in client.models.list().data]
-    assert ids == [MODEL, f"claude-turbospark-{MODEL}", EMBEDDING_MODEL, "all-minilm"]
+    # the loaded models first; then the store's others (a pulled model, as `make test` pulls one),
+    # each under its name and Claude Code's alias, loaded on their first request
+    assert ids[:4] == [MODEL, f"claude-turbospark-{MODEL}", EMBEDDING_MODEL, "all-minilm"]
+    rest = ids[4:]
+    assert rest == [n for name in rest[::2] for n in (name, f"claude-turbospark-{name}")]
+    assert not set(rest) & {MODEL, EMBEDDING_MODEL}
 
 
 def test_default_serve_embeds(served: Served) -> None:

@@ -19,7 +19,7 @@ from turbospark.generate import run_choice, stream_choice
 from turbospark.metrics import sample
 from turbospark.plan import make_plan
 from turbospark.reasoning import ReasoningSplitter
-from turbospark.registry import ModelRegistry
+from turbospark.registry import ModelRegistry, ServedModel
 from turbospark.request import ChatRequest, Message
 from turbospark.scripted import ScriptedChatModel
 from turbospark.toolcalls import ToolFamily, detect_family, parser_class
@@ -86,7 +86,11 @@ def _plan(case: dict[str, Any], stream: bool) -> Any:
     # replayed by starting the reply inside it (the tokenizer has no thinking switch to render).
     backend = ScriptedChatModel([case["output"]], tokenizer=tokenizer)
     registry = ModelRegistry()
-    registry.add(backend)
+    # The corpus is what models write when nothing holds them to the schema (the server's
+    # `--no-constrained-calls`, or no grammar engine installed). With the constraint on, the
+    # malformed outputs could not be written at all: the mask would push the scripted model off
+    # its script. These cases check the parse-and-repair path that is left then.
+    registry.add(ServedModel(backend, guardrails=GuardrailConfig(constrain_calls=False)))
     request = ChatRequest(
         model="scripted",
         messages=[Message(role="user", content="What is the weather in Paris?")],

@@ -1,5 +1,8 @@
-"""The headline, as a user meets it: the real Claude Code CLI against `turbospark serve --model
-qwen2.5-coder:0.5b` with no other flag, on this CPU.
+"""The headline, as a user meets it: the real Claude Code CLI, run by `turbospark launch claude
+--model qwen2.5-coder:0.5b -- -p ...`, against a fresh `turbospark serve --model
+qwen2.5-coder:0.5b` with no other flag, on this CPU. (The launcher uses a server that answers on
+its port as it is; that it starts one when none answers, and stops it after, is
+tests/test_launch.py's, with a stand-in agent: a second real first turn would cost minutes.)
 
 Claude Code's first request carries its system prompt and ~25 tool schemas (about 18,800 Qwen
 tokens); it gives up when no content chunk arrives within 300 s, so the first turn's prefill has
@@ -14,10 +17,11 @@ written down in benchmarks/RESULTS.md it did not: it answered with a JSON block 
 that does not exist, which the server passes on as text (no valid call to emit).
 
 The first turn took 244-262 s to its first token on a 2-core AVX2 machine, inside Claude Code's
-default 300 s stream-idle limit but not by much; the test raises that limit
-(`CLAUDE_STREAM_IDLE_TIMEOUT_MS`, as the README advises for slower machines) so a slower or
-busier CI machine checks the session's correctness, not its speed. The timing is
-`benchmarks/bench_agent.py`'s job.
+default 300 s stream-idle limit but not by much; the launcher raises that limit
+(`CLAUDE_STREAM_IDLE_TIMEOUT_MS`) so a slower or busier CI machine checks the session's
+correctness, not its speed. The timing is `benchmarks/bench_agent.py`'s job. The launcher also
+turns off Claude Code's attribution header, which changes every request: with it on, the
+follow-up request missed the prefix cache and prefilled all ~18,800 tokens again.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +40,8 @@ import pytest
 
 from turbospark.engine.pull import pulled_path
 from turbospark.testing import ServerProcess, claude_env
+
+LAUNCH = [sys.executable, "-m", "turbospark", "launch", "claude"]
 
 MODEL = "qwen2.5-coder:0.5b"
 MARKER = "turbospark-notes-4711"
@@ -77,15 +84,18 @@ def test_claude_code_session_on_qwen_05b_with_default_flags(
     work.mkdir()
     (work / "notes.txt").write_text(f"{MARKER}\n")
     env = claude_env(home, url, "local")
-    env["CLAUDE_STREAM_IDLE_TIMEOUT_MS"] = str(CLAUDE_TIMEOUT_S * 1000)
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent / "src")
     started = time.monotonic()
     done = subprocess.run(
         [
-            claude,
+            *LAUNCH,
+            "--model",
+            MODEL,
+            "--port",
+            str(server.port),
+            "--",
             "-p",
             "Run the shell command: cat notes.txt",
-            "--model",
-            f"claude-turbospark-{MODEL}",
             "--allowedTools",
             "Bash",
             "--output-format",
@@ -105,6 +115,7 @@ def test_claude_code_session_on_qwen_05b_with_default_flags(
     result: dict[str, Any] = json.loads(lines[-1])
     print(json.dumps({"elapsed_s": round(elapsed, 1), **result})[:3000])  # the transcript's summary
     assert result["type"] == "result" and result["is_error"] is False, (result, server_log)
+    assert f"claude on {MODEL} at {url}" in done.stderr  # the launcher used the running server
     assert done.returncode == 0, done.stderr[-2000:]
     assert isinstance(result.get("result"), str) and result["result"].strip()
     requests = metric(url, "turbospark_engine_requests_total")  # generations the engine ran

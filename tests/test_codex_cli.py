@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -248,3 +249,35 @@ def test_namespaced_call_reaches_codex_under_its_own_name(codex: str, tmp_path: 
     assert "unsupported call" not in str(output["output"]).lower(), output
     follow_up = next(text for kind, text in backend.log if kind == "final")
     assert '"name": "multi_agent_v1__close_agent"' in follow_up
+
+
+def test_launch_codex_runs_a_turn_on_the_running_server(codex: str, tmp_path: Path) -> None:
+    """`turbospark launch codex`: Codex reaches the server through the `-c` overrides alone (no
+    config.toml is written), with the key launch hands it."""
+    backend = ScriptedChatModel(["Hello through launch."], model_id="local", max_context=MAX_CONTEXT)
+    (tmp_path / "work").mkdir()
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    launch = [sys.executable, "-m", "turbospark", "launch", "codex", "--model", "local"]
+    agent_args = ["exec", "--json", "--skip-git-repo-check", "say hi"]
+    with RecordingServer([backend], api_keys=[API_KEY]) as server:
+        done = subprocess.run(
+            [*launch, "--port", str(server.port), "--", *agent_args],
+            cwd=tmp_path / "work",
+            env={
+                "PATH": "/usr/local/bin:/usr/bin:/bin",
+                "PYTHONPATH": src,
+                "HOME": str(tmp_path),
+                "TURBOSPARK_API_KEY": API_KEY,
+            },
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
+    assert f"codex on local at {server.url}" in done.stderr
+    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [m["text"] for m in items(events, "agent_message")] == ["Hello through launch."]
+    (body,) = server.bodies
+    assert body["model"] == "local" and body["stream"] is True
+    assert not (tmp_path / ".codex" / "config.toml").exists()

@@ -1,5 +1,6 @@
 """`turbospark launch claude`: the missing-CLI message, the model it picks by context, the agent
-environment it execs with, and (slow) a real Claude Code turn on a server it starts."""
+environment it execs with, and the server it starts when none answers. The real Claude Code turn
+through launch is tests/test_claude_code_real.py's."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import pytest
 
 from store_models import write_tiny_hf
 from turbospark import cli
-from turbospark.engine.pull import cache_dir, pulled_path
 from turbospark.launch import AGENT_MIN_CONTEXT, LaunchError, pick_model
 from turbospark.scripted import ScriptedChatModel
 from turbospark.store import ModelStore
@@ -115,47 +115,3 @@ def test_starts_a_server_when_none_answers_and_stops_it_after(tmp_path: Path) ->
     assert "claude-turbospark-scripted" in ids
     with pytest.raises(OSError):  # stopped with the agent
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-
-
-QWEN = pulled_path("qwen2.5-coder:0.5b")
-
-
-@pytest.mark.slow
-@pytest.mark.claude
-@pytest.mark.skipif(
-    QWEN is None and not os.environ.get("TURBOSPARK_REQUIRE_MODELS"),
-    reason="run `turbospark pull qwen2.5-coder:0.5b` first",
-)
-def test_real_claude_code_turn_on_a_server_launch_starts(claude: str, tmp_path: Path) -> None:
-    """Minutes on a 2-core CPU: the first turn prefills Claude Code's ~18,800-token prompt."""
-    port = free_port()
-    done = subprocess.run(
-        [
-            *LAUNCH,
-            "--model",
-            "qwen2.5-coder:0.5b",
-            "--port",
-            str(port),
-            "--",
-            "-p",
-            "Reply with hello.",
-            "--output-format",
-            "json",
-        ],
-        env={
-            "PATH": os.environ["PATH"],
-            "PYTHONPATH": SRC,
-            "HOME": str(tmp_path),  # Claude Code's settings stay in a throwaway home
-            "TURBOSPARK_CACHE": str(cache_dir()),  # where the model was pulled
-            "DISABLE_TELEMETRY": "1",
-        },
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        stdin=subprocess.DEVNULL,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["type"] == "result" and result["is_error"] is False
-    assert result["result"].strip()
-    assert "started a server for qwen2.5-coder:0.5b" in done.stderr

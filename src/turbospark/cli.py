@@ -14,6 +14,7 @@ from turbospark import metrics
 from turbospark.backend import NO_SAMPLING_DEFAULTS, ChatModel, ReasoningEffort, SamplingDefaults
 from turbospark.engine.scheduler import SchedulerConfig
 from turbospark.engine.speculative import DEFAULT_SPECULATIVE, SpeculativeConfig, parse_speculative
+from turbospark.launch import AGENTS
 from turbospark.limits import Limits
 from turbospark.ratecontrol import RateControl, parse_thermal_steps, temperature_source
 from turbospark.registry import DEFAULT_KEEP_ALIVE, ModelRegistry, ServedModel, model_kinds
@@ -618,10 +619,10 @@ def parser() -> argparse.ArgumentParser:
 
     la = sub.add_parser(
         "launch",
-        help="run an agent (claude) on a local model: starts a server if none answers",
-        usage="turbospark launch claude [--model M] [--host H] [--port P] [-- AGENT ARGS]",
+        help="run an agent (claude, codex) on a local model: starts a server if none answers",
+        usage="turbospark launch claude|codex [--model M] [--host H] [--port P] [-- AGENT ARGS]",
     )
-    la.add_argument("agent", choices=["claude"])
+    la.add_argument("agent", choices=list(AGENTS))
     la.add_argument("--model", help="default: the smallest model whose context holds the agent's prompt")
     la.add_argument("--host", default="127.0.0.1")
     la.add_argument("--port", type=int, default=8000)

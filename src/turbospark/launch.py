@@ -1,4 +1,4 @@
-"""`turbospark launch claude [--model M] [-- ARGS]`: one command to run an agent on a local model.
+"""`turbospark launch claude|codex [--model M] [-- ARGS]`: one command to run an agent on a local model.
 
 1. The agent's CLI must be on PATH; a missing one is a clear message saying how to install it.
 2. A server answering at --host/--port is used as it is; else one is started (`serve --model M`,
@@ -6,10 +6,14 @@
 3. The model: --model, else the smallest model of the store whose own context (read from the
    file: GGUF `<arch>.context_length`, config.json `max_position_embeddings`) holds the agent's
    prompt (`AGENT_PROMPT_TOKENS`: Claude Code's first request renders to ~18,800 tokens).
-4. The agent's environment: the server's URL and a key, every model tier mapped to the local
+4. Claude Code's environment: the server's URL and a key, every model tier mapped to the local
    model, telemetry, error reports, auto-update, non-essential traffic and the attribution
    header (which changes every request and would defeat the prefix cache) off, and a stream idle
    limit long enough for a first turn on a CPU.
+5. Codex's configuration, as `-c` overrides on its command line (the user's own config.toml is
+   left as it is): a `turbospark` provider on the server's Responses API with the key in
+   `TURBOSPARK_API_KEY`, the model, the same long stream idle limit, analytics, feedback and the
+   update check off.
 """
 
 from __future__ import annotations
@@ -33,11 +37,19 @@ from turbospark.store import ModelStore, StoreEntry
 log = logging.getLogger("turbospark.launch")
 
 # Claude Code's first request (system prompt and ~25 tools) with Qwen2.5's tokenizer, plus room
-# for a reply: a model must hold this much context to run it.
+# for a reply: a model must hold this much context to run it. Codex's first request is smaller
+# (instructions and about nine tools, ~38k bytes); the same bound holds it.
 AGENT_PROMPT_TOKENS = 18_800
 AGENT_MIN_CONTEXT = AGENT_PROMPT_TOKENS + 4_096
+AGENTS = ("claude", "codex")
+# a first turn prefills thousands of tokens: on a CPU that can take longer than the agents'
+# 300 s default stream idle limit
+STREAM_IDLE_MS = 1_800_000
 
-INSTALL_HINTS = {"claude": "npm install -g @anthropic-ai/claude-code"}
+INSTALL_HINTS = {
+    "claude": "npm install -g @anthropic-ai/claude-code",
+    "codex": "npm install -g @openai/codex",
+}
 
 
 class LaunchError(RuntimeError):
@@ -46,8 +58,10 @@ class LaunchError(RuntimeError):
 
 def agent_env(agent: str, base_url: str, model: str, api_key: str) -> dict[str, str]:
     """What the agent's process gets on top of the caller's environment."""
-    if agent != "claude":
-        raise LaunchError(f"unknown agent {agent!r}; turbospark launch knows: claude")
+    if agent not in AGENTS:
+        raise LaunchError(f"unknown agent {agent!r}; turbospark launch knows: {', '.join(AGENTS)}")
+    if agent == "codex":
+        return {"TURBOSPARK_API_KEY": api_key}
     alias = model if model.startswith(CLAUDE_CODE_ALIAS_PREFIX) else CLAUDE_CODE_ALIAS_PREFIX + model
     env = {
         "ANTHROPIC_BASE_URL": base_url,
@@ -64,9 +78,29 @@ def agent_env(agent: str, base_url: str, model: str, api_key: str) -> dict[str, 
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
     }
-    # a first turn prefills ~18,800 tokens: on a CPU that can take longer than the 300 s default
-    env["CLAUDE_STREAM_IDLE_TIMEOUT_MS"] = os.environ.get("CLAUDE_STREAM_IDLE_TIMEOUT_MS", "1800000")
+    env["CLAUDE_STREAM_IDLE_TIMEOUT_MS"] = os.environ.get(
+        "CLAUDE_STREAM_IDLE_TIMEOUT_MS", str(STREAM_IDLE_MS)
+    )
     return env
+
+
+def agent_command(agent: str, executable: str, base_url: str, model: str, env: dict[str, str]) -> list[str]:
+    """The agent's argv before the user's own arguments."""
+    if agent == "claude":
+        return [executable, "--model", env["ANTHROPIC_MODEL"]]
+    provider = (
+        f'{{name = "turbospark", base_url = "{base_url}/v1", wire_api = "responses", '
+        f'env_key = "TURBOSPARK_API_KEY", stream_idle_timeout_ms = {STREAM_IDLE_MS}}}'
+    )
+    overrides = [
+        f"model={json.dumps(model)}",
+        'model_provider="turbospark"',
+        f"model_providers.turbospark={provider}",
+        "analytics.enabled=false",
+        "feedback.enabled=false",
+        "check_for_update_on_startup=false",
+    ]
+    return [executable, *(a for o in overrides for a in ("-c", o))]
 
 
 def model_context(entry: StoreEntry) -> int:
@@ -175,7 +209,7 @@ def launch(
     chosen = model or pick_model(ModelStore(model_dirs))
     api_key = os.environ.get("TURBOSPARK_API_KEY", "").strip() or "turbospark"
     env = {**os.environ, **agent_env(agent, base_url, chosen, api_key)}
-    command = [executable, "--model", env["ANTHROPIC_MODEL"], *agent_args]
+    command = [*agent_command(agent, executable, base_url, chosen, env), *agent_args]
     if answers(base_url):
         print(f"turbospark: {agent} on {chosen} at {base_url}", file=sys.stderr)
         os.execve(executable, command, env)

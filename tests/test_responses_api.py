@@ -503,3 +503,7 @@ def test_tool_kinds_an_agent_sends() -> None:
         assert forced.status == "completed"
         with pytest.raises(openai.BadRequestError, match="declared twice"):
             client.responses.create(model="scripted", input="x", tools=[WEATHER_TOOL, WEATHER_TOOL])
+        # a tool must say its kind (only a namespace's own functions may leave it out)
+        untyped = {"name": "get_weather", "parameters": {"type": "object"}}
+        with pytest.raises(openai.BadRequestError, match=r"'tools\[1\]\.type' is required"):
+            client.responses.create(model="scripted", input="x", tools=[WEATHER_TOOL, untyped])  # type: ignore[list-item]

@@ -10,8 +10,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from corpus.support import TEMPLATES, family_tokenizer
+from turbospark.api.common import ServerState
 from turbospark.events import TextDelta, ToolCallArgs, ToolCallStart
 from turbospark.metrics import sample
+from turbospark.registry import ModelRegistry, ServedModel
 from turbospark.request import Tool
 from turbospark.scripted import ScriptedChatModel
 from turbospark.testing import LiveServer
@@ -213,11 +215,20 @@ def test_metrics_route_is_prometheus_text() -> None:
     assert openmetrics.text.rstrip().endswith("# EOF")
 
 
+def _repairing_server(raw: str) -> LiveServer:
+    """A server replaying `raw`, a call no schema-held decode could write: the repair path, as it
+    runs where the call constraint is off (`--no-constrained-calls`). With the constraint on, the
+    mask would push the scripted model off its script."""
+    registry = ModelRegistry()
+    registry.add(ServedModel(ScriptedChatModel([raw]), guardrails=GuardrailConfig(constrain_calls=False)))
+    return LiveServer(state=ServerState(registry=registry))
+
+
 def test_metrics_route_counts_tool_calls() -> None:
     """A repaired call (trailing comma, misspelt name) moves repaired and its repair kinds."""
     raw = '<tool_call>\n{"name": "get_wether", "arguments": {"city": "Paris",},}\n</tool_call>'
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    with LiveServer([ScriptedChatModel([raw])]) as srv:
+    with _repairing_server(raw) as srv:
         before = _scrape(srv.url)
         body = {"model": "scripted", "messages": [{"role": "user", "content": "go"}], "tools": tools}
         reply = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=30).json()
@@ -237,7 +248,7 @@ def test_unrepairable_call_over_http_is_text_and_counted() -> None:
     raw = '<tool_call>\n{"name": "launch_rocket", "arguments": {}}\n</tool_call>'
     before = sample("turbospark_tool_calls_total", outcome="returned_as_text")
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    with LiveServer([ScriptedChatModel([raw])]) as srv:
+    with _repairing_server(raw) as srv:
         body = {"model": "scripted", "messages": [{"role": "user", "content": "go"}], "tools": tools}
         choice = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=30).json()["choices"][0]
     assert choice["message"]["content"] == raw and "tool_calls" not in choice["message"]

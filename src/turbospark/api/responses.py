@@ -130,7 +130,8 @@ def parse_tools(raw: Any) -> tuple[list[Tool], ToolOrigins]:
     skipped: list[str] = []
 
     def add(item: dict[str, Any], where: str, namespace: str | None) -> None:
-        kind = f.string(item, "type", f"{where}.type") or "function"
+        # a top-level tool names its kind; a namespace's own tools are functions unless they say
+        kind = f.string(item, "type", f"{where}.type", required=namespace is None) or "function"
         if kind == "namespace" and namespace is None:
             ns = f.string(item, "name", f"{where}.name", required=True) or ""
             for sub_where, sub in f.objects(item.get("tools"), f"{where}.tools"):

@@ -16,9 +16,10 @@ call: in one run on a Zen 4 EPYC it called Agent, then Skill with made-up skill 
 turns (518 s), and ended with an empty answer; in another, a subagent kept calling Skill past
 ten requests; before the constraint it answered with a JSON block naming a tool that does not
 exist, as text. So the session is bounded (`--max-turns`, and no Agent tool: a subagent's turns
-do not count toward that bound), and the test holds what is the server's: the session ends without an API error, every tool call
-Claude Code received passed its input validation (the transcript's tool results), and when the
-model ran `cat notes.txt` through Bash, the file's contents came back to it.
+do not count toward that bound), and the test holds what is the server's: the session ends
+without an API error, every tool call Claude Code received passed its input validation (the
+transcript's tool results), and when the model ran `cat notes.txt` through Bash, the file's
+contents came back to it.
 
 The first turn took 244-262 s to its first token on a 2-core AVX2 machine, inside Claude Code's
 default 300 s stream-idle limit but not by much; the launcher raises that limit

@@ -84,6 +84,7 @@ def load_model(spec: str, args: argparse.Namespace, rate: RateControl | None = N
         rate=rate,
         tensor_parallel=getattr(args, "tensor_parallel", 1),
         speculative=speculative_config(args),
+        disk_cache_gb=getattr(args, "disk_cache_gb", 0.0) or 0.0,
     )
     return backend
 
@@ -538,6 +539,14 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="KV-cache budget per model in GiB (default: a fifth of free memory, at most 8)",
+    )
+    s.add_argument(
+        "--disk-cache-gb",
+        type=float,
+        default=0.0,
+        help="also keep the prefix cache on disk, up to this many GiB per model, so a restarted "
+        "server reads prompts it computed before instead of prefilling them (default 0: off; "
+        "`launch` turns it on for the server it starts)",
     )
     s.add_argument(
         "--kv-cache-dtype",

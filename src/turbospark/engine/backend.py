@@ -308,8 +308,12 @@ def load_backend(
     rate: RateControl | None = None,
     tensor_parallel: int = 1,
     speculative: SpeculativeConfig | None = None,
+    disk_cache_gb: float = 0.0,
 ) -> RealChatModel:
     """Loads a checkpoint (path, hub-cache id or bundled name) and returns its backend.
+
+    `disk_cache_gb` > 0 keeps the prefix cache's blocks on disk too, up to that size, so a
+    restarted server reads a prompt it computed before (`engine/disk_cache.py`; one process only).
 
     The context is the model's own, bounded by the KV cache (`kv_cache_gb`, default
     `default_kv_cache_bytes`; `kv_cache_dtype` as `resolve_kv_dtype`) and by `max_context`
@@ -398,10 +402,11 @@ def load_backend(
         # "claude-turbospark-smollm2" for Claude Code), not as its display name SmolLM2-135M-Instruct.
         name = DEFAULT_MODEL if spec.strip() in ("", DEFAULT_MODEL) else ckpt.name
         sampling = ckpt.sampling
-        vision = _vision_spec(model, ckpt.source, tokenizer)
+        source = ckpt.source
+        vision = _vision_spec(model, source, tokenizer)
         del ckpt  # the float checkpoint tensors are no longer needed once the model holds its own
         release_freed_memory()
-        return RealChatModel(
+        backend = RealChatModel(
             name,
             model,
             tokenizer,
@@ -416,10 +421,34 @@ def load_backend(
             vision=vision,
             speculative=speculative,
         )
+        if disk_cache_gb > 0:
+            attach_disk_cache(backend, source, disk_cache_gb)
+        return backend
     except BaseException:
         if group is not None:
             group.close()
         raise
+
+
+def attach_disk_cache(backend: RealChatModel, source: str, size_gb: float) -> None:
+    """Gives the backend's prefix cache a disk store under the cache folder (see load_backend)."""
+    if backend.tensor_parallel is not None:
+        log.info("%s: the disk prefix cache is off under tensor parallelism", backend.model_id)
+        return
+    from turbospark.engine.checkpoint import cache_dir
+    from turbospark.engine.disk_cache import DiskBlockStore, fingerprint
+
+    kv = backend.runner.kv_cache
+    folder = cache_dir() / "prefix-cache" / fingerprint(source, kv.k, kv.block_size)
+    store = DiskBlockStore(folder, kv.k, kv.v, kv.block_size, int(size_gb * 2**30))
+    backend.runner.block_manager.store = store
+    log.info(
+        "%s: prefix cache on disk in %s (%d blocks there, up to %.1f GB)",
+        backend.model_id,
+        folder,
+        len(store),
+        size_gb,
+    )
 
 
 def _vision_spec(model: Model, source: str, tokenizer: Tokenizer) -> VisionSpec | None:

@@ -10,8 +10,11 @@ memory) and the attention backend that reads it; `BlockManager` owns which block
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+from array import array
 from collections import OrderedDict
+from typing import Protocol
 
 import torch
 
@@ -72,6 +75,16 @@ class KVCache:
         return LayerCache(self.k[index], self.v[index], self.attention)
 
 
+class BlockStore(Protocol):
+    """Where full blocks outlive the cache (`engine/disk_cache.py`): by chain key."""
+
+    def __contains__(self, key: int) -> bool: ...
+
+    def save(self, key: int, block: int) -> None: ...
+
+    def load(self, key: int, block: int) -> bool: ...
+
+
 class BlockManager:
     """Which KV blocks hold what: reference counts, the prefix cache, LRU eviction.
 
@@ -83,6 +96,11 @@ class BlockManager:
     reference count goes up; nothing is recomputed). A block nobody references keeps its
     contents and stays findable in an LRU line until its slot is needed: never-used blocks are
     handed out first, then the least recently released cached block is evicted.
+
+    Keys are stable digests (the same prompt gets the same keys in every process), so a `store`
+    (the disk prefix cache) can keep blocks past eviction and restarts: every block registered
+    is saved there, and a prefix that runs out in memory goes on from it (`stored_continuation`,
+    `load_stored`).
 
     Invariants (`check`): every block is exactly one of in use (ref > 0), free, or cached-and-
     evictable; a key maps to a block that carries that key; the counts add up.
@@ -99,6 +117,7 @@ class BlockManager:
         self._key_of: dict[int, int] = {}  # block id -> chain key
         self._block_of: dict[int, int] = {}  # chain key -> block id
         self.num_hit_tokens = 0  # lifetime prefix-cache hits, for metrics
+        self.store: BlockStore | None = None
 
     # ---- counts ----
     @property
@@ -161,12 +180,23 @@ class BlockManager:
     # ---- prefix cache ----
     @staticmethod
     def chain_key(parent: int | None, block_ids: tuple[int, ...]) -> int:
-        return hash((parent, block_ids))
+        """A 64-bit digest of the parent key and the block's ids: the same in every process
+        (Python's `hash` of a string is not), so it can name a block on disk."""
+        h = hashlib.blake2b(b"-" if parent is None else parent.to_bytes(8, "little"), digest_size=8)
+        try:
+            h.update(array("q", block_ids).tobytes())
+        except OverflowError:  # an id past 64 bits (none is today): its text
+            h.update(repr(block_ids).encode())
+        return int.from_bytes(h.digest(), "little")
 
     @staticmethod
     def root_key(salt: str | None) -> int | None:
         """The chain key a sequence's first block hangs from: None unsalted, else the salt's."""
-        return None if salt is None else hash(("cache_salt", salt))
+        if salt is None:
+            return None
+        return int.from_bytes(
+            hashlib.blake2b(b"cache_salt:" + salt.encode(), digest_size=8).digest(), "little"
+        )
 
     def match_prefix(self, token_ids: list[int], salt: str | None = None) -> tuple[list[int], int | None]:
         """Registered blocks covering the longest cached prefix of `token_ids` under `salt` (full
@@ -186,6 +216,32 @@ class BlockManager:
             hits.append(b)
             key = next_key
         return hits, key
+
+    def stored_continuation(self, token_ids: list[int], num_hits: int, key: int | None) -> list[int]:
+        """The chain keys of the blocks after the first `num_hits` (whose last key is `key`) that
+        the store holds, in order, as `match_prefix` would walk them."""
+        if self.store is None or not self.enable_prefix_caching:
+            return []
+        keys: list[int] = []
+        bs = self.block_size
+        for start in range(num_hits * bs, len(token_ids) - 1 - bs + 1, bs):
+            next_key = self.chain_key(key, tuple(token_ids[start : start + bs]))
+            if next_key not in self.store:
+                break
+            keys.append(next_key)
+            key = next_key
+        return keys
+
+    def load_stored(self, keys: list[int], blocks: list[int]) -> int:
+        """Reads the stored blocks `keys` into the freshly allocated `blocks` (in order) and
+        registers them; stops at the first that cannot be read. Returns how many were."""
+        assert self.store is not None
+        for i, (key, b) in enumerate(zip(keys, blocks, strict=True)):
+            if key in self._block_of or not self.store.load(key, b):
+                return i
+            self._block_of[key] = b
+            self._key_of[b] = key
+        return len(keys)
 
     def share(self, block_ids: list[int]) -> None:
         """Takes a reference to cached blocks found by `match_prefix`."""
@@ -215,6 +271,8 @@ class BlockManager:
             if key not in self._block_of and b not in self._key_of:
                 self._block_of[key] = b
                 self._key_of[b] = key
+                if self.store is not None:
+                    self.store.save(key, b)
             num_hashed += 1
         return num_hashed, key
 

@@ -160,15 +160,28 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, batch: ScheduledBatch, budget: int) -> bool:
         assert not seq.block_table and seq.num_computed_tokens == 0
-        hits, key = self.blocks.match_prefix(seq.cache_ids(), seq.config.cache_salt)
-        num_computed = len(hits) * self.blocks.block_size
+        blocks = self.blocks
+        ids = seq.cache_ids()
+        hits, key = blocks.match_prefix(ids, seq.config.cache_salt)
+        stored = blocks.stored_continuation(ids, len(hits), key)  # on disk past the memory hits
+        num_computed = (len(hits) + len(stored)) * blocks.block_size
         n = min(seq.num_tokens - num_computed, budget)
-        needed = self.blocks.num_blocks_for(num_computed + n) - len(hits)
-        unreferenced_hits = sum(1 for b in hits if self.blocks.ref_counts[b] == 0)
-        if needed > self.blocks.num_free_blocks - unreferenced_hits:
+        needed = blocks.num_blocks_for(num_computed + n) - len(hits)
+        unreferenced_hits = sum(1 for b in hits if blocks.ref_counts[b] == 0)
+        if needed > blocks.num_free_blocks - unreferenced_hits:
             return False
-        self.blocks.share(hits)
-        seq.block_table = hits + self.blocks.allocate(needed)
+        blocks.share(hits)
+        fresh = blocks.allocate(needed)
+        if stored:
+            loaded = blocks.load_stored(stored, fresh[: len(stored)])
+            if loaded:
+                key = stored[loaded - 1]
+            # a block that could not be read is computed: the step feeds the same n tokens from
+            # an earlier position, inside the blocks already taken
+            num_computed = (len(hits) + loaded) * blocks.block_size
+            hits = hits + fresh[:loaded]
+            fresh = fresh[loaded:]
+        seq.block_table = hits + fresh
         seq.num_computed_tokens = num_computed
         seq.num_hashed_blocks, seq.last_block_key = len(hits), key
         if seq.num_preemptions == 0:

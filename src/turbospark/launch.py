@@ -1,8 +1,10 @@
 """`turbospark launch claude|codex [--model M] [-- ARGS]`: one command to run an agent on a local model.
 
 1. The agent's CLI must be on PATH; a missing one is a clear message saying how to install it.
-2. A server answering at --host/--port is used as it is; else one is started (`serve --model M`,
-   its log under the cache directory) and stopped when the agent exits.
+2. A server answering at --host/--port is used as it is; else one is started (`serve --model M
+   --disk-cache-gb 8`, its log under the cache directory) and stopped when the agent exits. The
+   disk prefix cache makes the next launch's first turn a read of the agent's prompt instead of
+   minutes of prefill on a CPU.
 3. The model: --model, else the smallest model of the store whose own context (read from the
    file: GGUF `<arch>.context_length`, config.json `max_position_embeddings`) holds the agent's
    prompt (`AGENT_PROMPT_TOKENS`: Claude Code's first request renders to ~18,800 tokens).
@@ -42,6 +44,7 @@ log = logging.getLogger("turbospark.launch")
 AGENT_PROMPT_TOKENS = 18_800
 AGENT_MIN_CONTEXT = AGENT_PROMPT_TOKENS + 4_096
 AGENTS = ("claude", "codex")
+DISK_CACHE_ARGS = ("--disk-cache-gb", "8")  # for the server launch starts
 # a first turn prefills thousands of tokens: on a CPU that can take longer than the agents'
 # 300 s default stream idle limit
 STREAM_IDLE_MS = 1_800_000
@@ -214,7 +217,7 @@ def launch(
         print(f"turbospark: {agent} on {chosen} at {base_url}", file=sys.stderr)
         os.execve(executable, command, env)
     dirs = [a for d in model_dirs for a in ("--model-dir", d)]
-    server, log_path = start_server(host, port, chosen, [*dirs, *serve_args])
+    server, log_path = start_server(host, port, chosen, [*dirs, *DISK_CACHE_ARGS, *serve_args])
     print(f"turbospark: started a server for {chosen} at {base_url} (log: {log_path})", file=sys.stderr)
     try:
         wait_healthy(base_url, server, log_path, ready_timeout)

@@ -14,7 +14,7 @@ from turbospark import metrics
 from turbospark.backend import NO_SAMPLING_DEFAULTS, ChatModel, ReasoningEffort, SamplingDefaults
 from turbospark.engine.scheduler import SchedulerConfig
 from turbospark.engine.speculative import DEFAULT_SPECULATIVE, SpeculativeConfig, parse_speculative
-from turbospark.launch import AGENTS
+from turbospark.launch import AGENTS, DEFAULT_DISK_CACHE_GB
 from turbospark.limits import Limits
 from turbospark.ratecontrol import RateControl, parse_thermal_steps, temperature_source
 from turbospark.registry import DEFAULT_KEEP_ALIVE, ModelRegistry, ServedModel, model_kinds
@@ -84,9 +84,18 @@ def load_model(spec: str, args: argparse.Namespace, rate: RateControl | None = N
         rate=rate,
         tensor_parallel=getattr(args, "tensor_parallel", 1),
         speculative=speculative_config(args),
-        disk_cache_gb=getattr(args, "disk_cache_gb", 0.0) or 0.0,
+        disk_cache_gb=disk_cache_gb(args),
+        disk_cache_dir=getattr(args, "prefix_cache_dir", None),
     )
     return backend
+
+
+def disk_cache_gb(args: argparse.Namespace) -> float:
+    """The disk prefix cache's bound: --disk-cache-gb, else 8 GiB when only its folder is given."""
+    size = float(getattr(args, "disk_cache_gb", 0.0) or 0.0)
+    if size <= 0 and getattr(args, "prefix_cache_dir", None):
+        return DEFAULT_DISK_CACHE_GB
+    return size
 
 
 def model_specs(args: argparse.Namespace) -> list[str]:
@@ -545,8 +554,13 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="also keep the prefix cache on disk, up to this many GiB per model, so a restarted "
-        "server reads prompts it computed before instead of prefilling them (default 0: off; "
-        "`launch` turns it on for the server it starts)",
+        "server reads prompts it computed before instead of prefilling them (default 0: off, "
+        "unless --prefix-cache-dir is given; `launch` turns it on for the server it starts)",
+    )
+    s.add_argument(
+        "--prefix-cache-dir",
+        help="where the disk prefix cache lives (default: prefix-cache/ in the cache folder); "
+        "giving it turns the disk cache on (8 GiB unless --disk-cache-gb says)",
     )
     s.add_argument(
         "--kv-cache-dtype",

@@ -44,7 +44,8 @@ log = logging.getLogger("turbospark.launch")
 AGENT_PROMPT_TOKENS = 18_800
 AGENT_MIN_CONTEXT = AGENT_PROMPT_TOKENS + 4_096
 AGENTS = ("claude", "codex")
-DISK_CACHE_ARGS = ("--disk-cache-gb", "8")  # for the server launch starts
+DEFAULT_DISK_CACHE_GB = 8.0
+DISK_CACHE_ARGS = ("--disk-cache-gb", f"{DEFAULT_DISK_CACHE_GB:g}")  # for the server launch starts
 # a first turn prefills thousands of tokens: on a CPU that can take longer than the agents'
 # 300 s default stream idle limit
 STREAM_IDLE_MS = 1_800_000

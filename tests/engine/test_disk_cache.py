@@ -125,8 +125,8 @@ def test_a_restarted_backend_reads_the_prompt_instead_of_computing_it(
 
 @pytest.mark.slow
 def test_a_restarted_server_answers_from_the_disk_cache(tmp_path: Path) -> None:
-    """`serve --disk-cache-gb`: the second server's first request finds the first one's prompt
-    on disk (the OpenAI usage counts it as cached tokens)."""
+    """`serve --prefix-cache-dir DIR`: the second server's first request finds the first one's
+    prompt on disk (the OpenAI usage counts it as cached tokens)."""
     import openai
 
     from turbospark.testing import ServerProcess
@@ -135,7 +135,8 @@ def test_a_restarted_server_answers_from_the_disk_cache(tmp_path: Path) -> None:
     env = {"TURBOSPARK_CACHE": str(tmp_path / "cache"), "HOME": str(tmp_path)}
     usages = []
     for _ in range(2):
-        with ServerProcess("--model", "smollm2", "--disk-cache-gb", "1", env=env) as server:
+        folder = str(tmp_path / "prefix")
+        with ServerProcess("--model", "smollm2", "--prefix-cache-dir", folder, env=env) as server:
             server.wait_healthy(timeout=300)
             with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
                 reply = client.chat.completions.create(
@@ -150,4 +151,4 @@ def test_a_restarted_server_answers_from_the_disk_cache(tmp_path: Path) -> None:
     assert prompt == prompt_again > 300
     assert cold == 0
     assert warm >= 0.9 * prompt, usages
-    assert list((tmp_path / "cache" / "prefix-cache").glob("*/*" + SUFFIX))
+    assert list((tmp_path / "prefix").glob("*/*" + SUFFIX))

@@ -25,6 +25,7 @@ import contextlib
 import inspect
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -309,11 +310,13 @@ def load_backend(
     tensor_parallel: int = 1,
     speculative: SpeculativeConfig | None = None,
     disk_cache_gb: float = 0.0,
+    disk_cache_dir: str | None = None,
 ) -> RealChatModel:
     """Loads a checkpoint (path, hub-cache id or bundled name) and returns its backend.
 
-    `disk_cache_gb` > 0 keeps the prefix cache's blocks on disk too, up to that size, so a
-    restarted server reads a prompt it computed before (`engine/disk_cache.py`; one process only).
+    `disk_cache_gb` > 0 keeps the prefix cache's blocks on disk too, up to that size (under
+    `disk_cache_dir`, default the cache folder's prefix-cache/), so a restarted server reads a
+    prompt it computed before (`engine/disk_cache.py`; one process only).
 
     The context is the model's own, bounded by the KV cache (`kv_cache_gb`, default
     `default_kv_cache_bytes`; `kv_cache_dtype` as `resolve_kv_dtype`) and by `max_context`
@@ -422,7 +425,7 @@ def load_backend(
             speculative=speculative,
         )
         if disk_cache_gb > 0:
-            attach_disk_cache(backend, source, disk_cache_gb)
+            attach_disk_cache(backend, source, disk_cache_gb, disk_cache_dir)
         return backend
     except BaseException:
         if group is not None:
@@ -430,8 +433,10 @@ def load_backend(
         raise
 
 
-def attach_disk_cache(backend: RealChatModel, source: str, size_gb: float) -> None:
-    """Gives the backend's prefix cache a disk store under the cache folder (see load_backend)."""
+def attach_disk_cache(
+    backend: RealChatModel, source: str, size_gb: float, root: str | Path | None = None
+) -> None:
+    """Gives the backend's prefix cache a disk store under `root` (see load_backend)."""
     if backend.tensor_parallel is not None:
         log.info("%s: the disk prefix cache is off under tensor parallelism", backend.model_id)
         return
@@ -439,7 +444,8 @@ def attach_disk_cache(backend: RealChatModel, source: str, size_gb: float) -> No
     from turbospark.engine.disk_cache import DiskBlockStore, fingerprint
 
     kv = backend.runner.kv_cache
-    folder = cache_dir() / "prefix-cache" / fingerprint(source, kv.k, kv.block_size)
+    base = Path(root).expanduser() if root else cache_dir() / "prefix-cache"
+    folder = base / fingerprint(source, kv.k, kv.block_size)
     store = DiskBlockStore(folder, kv.k, kv.v, kv.block_size, int(size_gb * 2**30))
     backend.runner.block_manager.store = store
     log.info(

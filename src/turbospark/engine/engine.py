@@ -262,33 +262,41 @@ class Engine:
             handoff.release()
             time.sleep(0.001)  # everything left was cancelled, or waits for blocks
             return 0
-        sampling = batch.sampling_seqs()
-        drafts = batch.drafts()
+        sampling, drafts = batch.sampling_seqs(), batch.drafts()
         verifying = any(drafts)
         # an all-greedy step may take its argmax from the runner (found as the lm_head writes it)
         output = self._run(batch, want_ids=bool(sampling) and argmax_only(sampling) and not verifying)
         if output is None:
             return 0
         ran = time.perf_counter()
-        # each sampling sequence's new tokens: one, or a verification's accepted drafts and one more
-        results: list[list[TokenEvent] | Exception]
-        if output.token_ids is not None:
-            results = [[TokenEvent(token_id=t)] for t in output.token_ids]
-        elif verifying:
-            results = sample_step(output.logits, sampling, drafts)
-        else:
-            results = [[e] if isinstance(e, TokenEvent) else e for e in sample_batch(output.logits, sampling)]
+        results = self._sample(output, sampling, drafts)
         with self._lock:
             emitted = self.scheduler.post(batch, sampling, results, self.name)
             if self.speculator is not None:
                 self.speculator.observe(sampling, drafts, results)
             self._export_gauges()
+        self._account(batch, emitted, started, ran)
+        self._pace(emitted)
+        return emitted
+
+    @staticmethod
+    def _sample(
+        output: StepOutput, sampling: list[Sequence], drafts: list[list[int]]
+    ) -> list[list[TokenEvent] | Exception]:
+        """Each sampling sequence's new tokens: one, or a verification's accepted drafts and one
+        more (an exception where its sampling failed)."""
+        if output.token_ids is not None:
+            return [[TokenEvent(token_id=t)] for t in output.token_ids]
+        if any(drafts):
+            return sample_step(output.logits, sampling, drafts)
+        return [[e] if isinstance(e, TokenEvent) else e for e in sample_batch(output.logits, sampling)]
+
+    def _account(self, batch: ScheduledBatch, emitted: int, started: float, ran: float) -> None:
+        """The step's counters: metrics, and the forward's share of the step's time."""
         metrics.count_step(self.name, batch.num_tokens, emitted)
         self.num_steps += 1
         self.step_seconds += ran - self._run_started
         self.overhead_seconds += (time.perf_counter() - started) - (ran - self._run_started)
-        self._pace(emitted)
-        return emitted
 
     def _run(self, batch: ScheduledBatch, *, want_ids: bool) -> StepOutput | None:
         """The forward; a failure fails the step's sequences (others go on) and gives None. The

@@ -24,9 +24,7 @@ contents came back to it.
 The first turn took 244-262 s to its first token on a 2-core AVX2 machine, inside Claude Code's
 default 300 s stream-idle limit but not by much; the launcher raises that limit
 (`CLAUDE_STREAM_IDLE_TIMEOUT_MS`) so a slower or busier CI machine checks the session's
-correctness, not its speed. The timing is `benchmarks/bench_agent.py`'s job. The launcher also
-turns off Claude Code's attribution header, which changes every request: with it on, the
-follow-up request missed the prefix cache and prefilled all ~18,800 tokens again.
+correctness, not its speed. The timing is `benchmarks/bench_agent.py`'s job.
 """
 
 from __future__ import annotations

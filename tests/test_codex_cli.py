@@ -137,11 +137,44 @@ def run_codex(
         text=True,
         timeout=timeout,
     )
+    return completed(done)
+
+
+def launch_codex(
+    server: LiveServer | ServerProcess, tmp_path: Path, prompt: str, *, model: str, timeout: float = 120
+) -> tuple[list[dict[str, Any]], str]:
+    """`turbospark launch codex --model MODEL -- exec --json ... PROMPT` against the running
+    `server`, in tmp_path/work with tmp_path as HOME (no Codex config written beforehand);
+    returns Codex's JSONL events and launch's stderr, after checking the run succeeded."""
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    launch = [sys.executable, "-m", "turbospark", "launch", "codex", "--model", model]
+    agent = ["exec", "--json", "--skip-git-repo-check", "-s", "danger-full-access", prompt]
+    done = subprocess.run(
+        [*launch, "--port", str(server.port), "--", *agent],
+        cwd=work,
+        env={
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src"),
+            "HOME": str(tmp_path),
+            "TURBOSPARK_API_KEY": API_KEY,
+        },
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    log = server.log()[-3000:] if isinstance(server, ServerProcess) else ""
+    return completed(done, log), done.stderr
+
+
+def completed(done: subprocess.CompletedProcess[str], server_log: str = "") -> list[dict[str, Any]]:
+    """A Codex run's JSONL events, once its exit status and last event say the turn completed."""
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert done.returncode == 0, (
-        f"codex exited {done.returncode}: {done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        f"codex exited {done.returncode}: {done.stdout[-3000:]}\n{done.stderr[-3000:]}\n{server_log}"
     )
-    assert events and events[-1]["type"] == "turn.completed", events
+    assert events and events[-1]["type"] == "turn.completed", (events, server_log)
     return events
 
 
@@ -255,28 +288,9 @@ def test_launch_codex_runs_a_turn_on_the_running_server(codex: str, tmp_path: Pa
     """`turbospark launch codex`: Codex reaches the server through the `-c` overrides alone (no
     config.toml is written), with the key launch hands it."""
     backend = ScriptedChatModel(["Hello through launch."], model_id="local", max_context=MAX_CONTEXT)
-    (tmp_path / "work").mkdir()
-    src = str(Path(__file__).resolve().parent.parent / "src")
-    launch = [sys.executable, "-m", "turbospark", "launch", "codex", "--model", "local"]
-    agent_args = ["exec", "--json", "--skip-git-repo-check", "say hi"]
     with RecordingServer([backend], api_keys=[API_KEY]) as server:
-        done = subprocess.run(
-            [*launch, "--port", str(server.port), "--", *agent_args],
-            cwd=tmp_path / "work",
-            env={
-                "PATH": "/usr/local/bin:/usr/bin:/bin",
-                "PYTHONPATH": src,
-                "HOME": str(tmp_path),
-                "TURBOSPARK_API_KEY": API_KEY,
-            },
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
-    assert f"codex on local at {server.url}" in done.stderr
-    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        events, stderr = launch_codex(server, tmp_path, "say hi", model="local")
+    assert f"codex on local at {server.url}" in stderr
     assert [m["text"] for m in items(events, "agent_message")] == ["Hello through launch."]
     (body,) = server.bodies
     assert body["model"] == "local" and body["stream"] is True

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from test_codex_cli import API_KEY, items
+from test_codex_cli import API_KEY, items, launch_codex
 from turbospark.engine.pull import pulled_path
 from turbospark.testing import ServerProcess
 
@@ -46,39 +44,10 @@ def server() -> Iterator[ServerProcess]:
 
 
 def test_codex_shell_session_on_qwen_05b(codex: str, server: ServerProcess, tmp_path: Path) -> None:
-    work = tmp_path / "work"
-    work.mkdir()
-    (work / "notes.txt").write_text(f"{MARKER}\n")
-    launch = [
-        sys.executable,
-        "-m",
-        "turbospark",
-        "launch",
-        "codex",
-        "--model",
-        MODEL,
-        "--port",
-        str(server.port),
-    ]
-    agent = ["exec", "--json", "--skip-git-repo-check", "-s", "danger-full-access"]
-    done = subprocess.run(
-        [*launch, "--", *agent, "Run the shell command: cat notes.txt"],
-        cwd=work,
-        env={
-            "PATH": os.environ["PATH"],
-            "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src"),
-            "HOME": str(tmp_path),
-            "TURBOSPARK_API_KEY": API_KEY,
-        },
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=CODEX_TIMEOUT_S,
-    )
-    events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    server_log = server.log()[-3000:]
-    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:], server_log)
-    assert events and events[-1]["type"] == "turn.completed", (events, server_log)
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "notes.txt").write_text(f"{MARKER}\n")
+    prompt = "Run the shell command: cat notes.txt"
+    events, _ = launch_codex(server, tmp_path, prompt, model=MODEL, timeout=CODEX_TIMEOUT_S)
     commands = items(events, "command_execution")
     messages = items(events, "agent_message")
     print(json.dumps({"commands": commands, "messages": messages, "usage": events[-1].get("usage")})[:3000])

@@ -8,11 +8,9 @@ from typing import Any
 
 import openai
 
-from turbospark.api.common import ServerState
-from turbospark.registry import ModelRegistry, ServedModel
+from test_toolcalls_guardrails import repairing_server
 from turbospark.scripted import ScriptedChatModel
 from turbospark.testing import LiveServer
-from turbospark.toolcalls.guardrails import GuardrailConfig
 
 WEATHER = {
     "type": "function",
@@ -63,11 +61,7 @@ def _streamed(client: openai.OpenAI, **kw: Any) -> dict[str, Any]:
 def test_streaming_and_non_streaming_give_the_same_calls() -> None:
     # TWO_CALLS is malformed on purpose (single quotes, a misspelt name, a string for an integer):
     # the repair path, which runs where the call constraint is off (`--no-constrained-calls`).
-    registry = ModelRegistry()
-    registry.add(
-        ServedModel(ScriptedChatModel([TWO_CALLS]), guardrails=GuardrailConfig(constrain_calls=False))
-    )
-    with LiveServer(state=ServerState(registry=registry)) as srv:
+    with repairing_server(TWO_CALLS) as srv:
         client = _client(srv)
         kw: dict[str, Any] = {
             "model": "scripted",

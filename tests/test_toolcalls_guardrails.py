@@ -215,7 +215,7 @@ def test_metrics_route_is_prometheus_text() -> None:
     assert openmetrics.text.rstrip().endswith("# EOF")
 
 
-def _repairing_server(raw: str) -> LiveServer:
+def repairing_server(raw: str) -> LiveServer:
     """A server replaying `raw`, a call no schema-held decode could write: the repair path, as it
     runs where the call constraint is off (`--no-constrained-calls`). With the constraint on, the
     mask would push the scripted model off its script."""
@@ -228,7 +228,7 @@ def test_metrics_route_counts_tool_calls() -> None:
     """A repaired call (trailing comma, misspelt name) moves repaired and its repair kinds."""
     raw = '<tool_call>\n{"name": "get_wether", "arguments": {"city": "Paris",},}\n</tool_call>'
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    with _repairing_server(raw) as srv:
+    with repairing_server(raw) as srv:
         before = _scrape(srv.url)
         body = {"model": "scripted", "messages": [{"role": "user", "content": "go"}], "tools": tools}
         reply = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=30).json()
@@ -248,7 +248,7 @@ def test_unrepairable_call_over_http_is_text_and_counted() -> None:
     raw = '<tool_call>\n{"name": "launch_rocket", "arguments": {}}\n</tool_call>'
     before = sample("turbospark_tool_calls_total", outcome="returned_as_text")
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    with _repairing_server(raw) as srv:
+    with repairing_server(raw) as srv:
         body = {"model": "scripted", "messages": [{"role": "user", "content": "go"}], "tools": tools}
         choice = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=30).json()["choices"][0]
     assert choice["message"]["content"] == raw and "tool_calls" not in choice["message"]

@@ -150,22 +150,28 @@ def launch_codex(
     work.mkdir(exist_ok=True)
     launch = [sys.executable, "-m", "turbospark", "launch", "codex", "--model", model]
     agent = ["exec", "--json", "--skip-git-repo-check", "-s", "danger-full-access", prompt]
-    done = subprocess.run(
-        [*launch, "--port", str(server.port), "--", *agent],
-        cwd=work,
-        env={
-            "PATH": "/usr/local/bin:/usr/bin:/bin",
-            "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src"),
-            "HOME": str(tmp_path),
-            "TURBOSPARK_API_KEY": API_KEY,
-        },
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    log = server.log()[-3000:] if isinstance(server, ServerProcess) else ""
-    return completed(done, log), done.stderr
+    log = server.log if isinstance(server, ServerProcess) else lambda: ""
+    try:
+        done = subprocess.run(
+            [*launch, "--port", str(server.port), "--", *agent],
+            cwd=work,
+            env={
+                "PATH": "/usr/local/bin:/usr/bin:/bin",
+                "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src"),
+                "HOME": str(tmp_path),
+                "TURBOSPARK_API_KEY": API_KEY,
+            },
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as late:  # say what the server was doing meanwhile
+        shown = (late.stdout or b"")[-3000:]
+        pytest.fail(
+            f"codex ran past {timeout:.0f} s; its output: {shown!r}\nthe server log:\n{log()[-5000:]}"
+        )
+    return completed(done, log()[-3000:]), done.stderr
 
 
 def completed(done: subprocess.CompletedProcess[str], server_log: str = "") -> list[dict[str, Any]]:

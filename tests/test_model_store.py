@@ -137,6 +137,41 @@ def test_concurrent_first_requests_share_one_load(
     assert loaded(client) == ["tiny-c:latest"]
 
 
+def test_request_during_the_start_up_load_waits_for_it(model_dir: Path) -> None:
+    """A request that names a --model while serve still loads it at start (clients that do not
+    wait for /health) shares that load: one load, a reply, and the model stays pinned."""
+    given = str(model_dir / "tiny-b")  # --model by path: the store lists the folder as tiny-b
+    server, registry = start(model_dir, "--model", given)
+    assert registry.loader is not None
+    real_loader = registry.loader
+    calls: list[str] = []
+    entered = threading.Event()
+
+    def slow_loader(spec: str) -> ServedModel:
+        calls.append(spec)
+        entered.set()
+        time.sleep(1.0)  # the request arrives while this load runs
+        return real_loader(spec)
+
+    registry.loader = slow_loader
+    args = cli.parser().parse_args(["serve", "--model-dir", str(model_dir), "--model", given])
+    registry.num_loading = 1
+    with server, ollama.Client(host=server.url) as client:
+        loading = threading.Thread(target=cli.load_into, args=(registry, args))
+        loading.start()
+        assert entered.wait(30)
+        reply = client.chat(
+            model="tiny-b", messages=[{"role": "user", "content": "x"}], options={"num_predict": 2}
+        )
+        loading.join(60)
+        assert reply.done and reply.eval_count == 2
+        assert len(calls) == 1 and registry.num_loads == 0  # no load on demand beside it
+        assert loaded(client) == ["tiny-b:latest"]
+        (pinned,) = registry.served()
+        assert registry.expires_at(pinned) is None
+    registry.close()
+
+
 def test_keep_alive_zero_unloads(served: tuple[ollama.Client, ModelRegistry, LiveServer]) -> None:
     client, _, _ = served
     load = client.generate(model="tiny-a")  # Ollama's "load the model" request

@@ -166,7 +166,7 @@ def load_into(registry: ModelRegistry, args: argparse.Namespace) -> None:
     in. Other models in the store load on a request's demand (`registry.loader`)."""
     assert registry.loader is not None
     for spec in model_specs(args):
-        served = registry.add(registry.loader(spec))  # keep_alive None: pinned
+        served = registry.load_pinned(spec)
         if registry.store is not None:
             registry.store.remember(served.model_id, spec)
         registry.num_loading -= 1

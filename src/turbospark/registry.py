@@ -36,6 +36,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from turbospark.backend import BUILTIN_SAMPLING, ChatModel, ReasoningEffort, SamplingDefaults
@@ -313,6 +314,48 @@ class ModelRegistry:
                     target=self._load, args=(key, entry.spec, future), name=f"load-{key}", daemon=True
                 ).start()
             return future
+
+    def load_pinned(self, spec: str) -> ServedModel:
+        """Loads a --model at start, pinned (never unloaded). It takes the same place in the
+        table of loads in flight as a load on demand, so a request that names the model while
+        it loads waits for this load instead of starting a second one of the same weights."""
+        from turbospark.store import base_name
+
+        assert self.loader is not None
+        entry = self.store_entry(spec) or self._entry_loading(spec)
+        key = base_name(entry.model) if entry is not None else None
+        mine: concurrent.futures.Future[ServedModel] = concurrent.futures.Future()
+        with self._lock:
+            theirs = self._loading.get(key) if key is not None else None
+            if key is not None and theirs is None:
+                self._loading[key] = mine
+        if theirs is not None:  # a request got here first: share its load, then pin it
+            served = theirs.result()
+            with self._lock:
+                served.keep_alive = None
+            return served
+        try:
+            served = self.add(self.loader(spec))  # keep_alive None: pinned
+        except BaseException as exc:
+            mine.set_exception(exc)
+            raise
+        else:
+            mine.set_result(served)
+            return served
+        finally:
+            with self._lock:
+                if key is not None and self._loading.get(key) is mine:
+                    del self._loading[key]
+
+    def _entry_loading(self, spec: str) -> StoreEntry | None:
+        """The store's entry that loads `spec`, a file or folder given by path (--model PATH)."""
+        if self.store is None or not Path(spec).exists():
+            return None
+        where = Path(spec).resolve()
+        for entry in self.store.entries():
+            if entry.spec == spec or (entry.path is not None and entry.path.resolve() == where):
+                return entry
+        return None
 
     def _load(self, key: str, spec: str, future: concurrent.futures.Future[ServedModel]) -> None:
         assert self.loader is not None

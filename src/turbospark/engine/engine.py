@@ -100,11 +100,24 @@ class Delivery:
         if seq.cancel.is_set():
             item.token_ids = self.delivered
             item.finish_reason = FinishReason.CANCELLED
+        seconds = time.monotonic() - seq.arrival_time
         metrics.observe_request(
             self.engine.name,
-            time.monotonic() - seq.arrival_time,
+            seconds,
             prompt_tokens=item.num_prompt_tokens,
             finish_reason=item.finish_reason.value,
+        )
+        log.info(
+            "%s: request done in %.1f s (prefill %.1f s, decode %.1f s): %d prompt tokens, %d cached; "
+            "%d generated; %s",
+            self.engine.name,
+            seconds,
+            item.prefill_seconds,
+            item.decode_seconds,
+            item.num_prompt_tokens,
+            item.num_cached_tokens,
+            len(item.token_ids),
+            item.finish_reason.value,
         )
         return item
 

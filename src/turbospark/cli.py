@@ -241,6 +241,10 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
+    if getattr(args, "fast_nondeterministic", False):
+        from turbospark.engine import row_kernels
+
+        os.environ[row_kernels.ENV_VAR] = "1"  # read per step; set before any model loads
     limits = limits_from(args)
     args.model = model_specs(args)
     registry = build_registry(args)
@@ -583,6 +587,12 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         metavar="K",
         help=f"most draft tokens verified per sequence and step (default {SpeculativeConfig().num_tokens})",
+    )
+    s.add_argument(
+        "--fast-nondeterministic",
+        action="store_true",
+        help="CPU: pick kernels by a step's row count (faster mixed steps and large batches; a "
+        "request's tokens may then depend on the batch, the prefix cache and the chunking)",
     )
     s.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     s.add_argument(

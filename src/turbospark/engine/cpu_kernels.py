@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from turbospark.engine import native
+from turbospark.engine import native, row_kernels
 from turbospark.engine.cpu_info import cpu_flags
 
 ENV_VAR = "TURBOSPARK_CPU_KERNELS"
@@ -187,9 +187,12 @@ def cpu_kernels() -> CpuKernels:
 
 def native_kernels_for(x: torch.Tensor) -> native.Kernels | None:
     """The native kernels when this profile runs them and they take this activation: float32 on
-    the CPU, at most `native.MAX_ROWS` rows (a decode step's), else None. Called for every norm,
-    rotary and MLP of a decode step."""
-    if x.dtype is not torch.float32 or x.shape[0] > native.MAX_ROWS or not x.is_cpu:
+    the CPU, at most `native.MAX_ROWS` rows (a decode step's; any number in a role-planned
+    forward, `row_kernels`: these kernels treat each row alone), else None. Called for every
+    norm, rotary and MLP of a decode step."""
+    if x.dtype is not torch.float32 or not x.is_cpu:
+        return None
+    if x.shape[0] > native.MAX_ROWS and row_kernels.role() is None:
         return None
     return _native_enabled()
 

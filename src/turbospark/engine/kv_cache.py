@@ -111,6 +111,9 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # whether blocks holding generated tokens are registered too (off: only prompts', see
+        # `scheduler._cacheable`)
+        self.cache_generated = True
         self.ref_counts = [0] * num_blocks
         self._free: list[int] = list(range(num_blocks))  # a heap: low ids first keep runs contiguous
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, registered, LRU first

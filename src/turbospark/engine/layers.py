@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from turbospark.engine import cuda_ops, native
+from turbospark.engine import cuda_ops, native, row_kernels
 from turbospark.engine.cpu_kernels import native_kernels_for
 
 
@@ -84,6 +84,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and cuda_ops.use_gemv(x, self.weight):
             return cuda_ops.gemv(x, self.weight, self.bias)  # decode at batch 1..4
+        if row_kernels.role() is not None and x.is_cpu:
+            return row_kernels.dense_linear(x, self.weight, self.bias)  # rows padded: row-invariant
         return F.linear(x, self.weight, self.bias)
 
 

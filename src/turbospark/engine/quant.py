@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from turbospark.engine import native
+from turbospark.engine import native, row_kernels
 from turbospark.engine.cpu_kernels import cpu_kernels
 from turbospark.engine.layers import Linear
 
@@ -201,6 +201,9 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, in_features)
+        role = row_kernels.role()
+        if role is not None:
+            return self._by_role(x, role)
         rows = x.shape[0]
         if rows <= self.native_rows:
             kernels = native.kernels()
@@ -214,9 +217,37 @@ class Int8Linear(nn.Module):
             dt = self.dense_dtype
             w = self.weight * self.scales.to(dt)[:, None]  # (out, in) in dt: one pass, int8 promotes
             return _dense(x, w, self.bias)
+        return self._int8pack(x)
+
+    def _int8pack(self, x: torch.Tensor) -> torch.Tensor:
         xk = x.to(self.kernel_dtype)
         y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(xk, self.weight, self.scales).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def _by_role(self, x: torch.Tensor, role: row_kernels.Role) -> torch.Tensor:
+        """Decode rows: the native kernel in groups of its row limit (torch's int8 kernel where
+        it does not run); prompt rows: the packed fp16 GEMM, else the expanded weight, padded."""
+        if role == "decode":
+            if not self.native_rows:
+                return self._int8pack(x)
+            kernels = native.kernels()
+            assert kernels is not None
+            scales, bias = self.out_scales, self.float_bias
+
+            def run(rows: torch.Tensor) -> torch.Tensor:
+                return kernels.q8_matmul(rows, self.weight, scales, bias)
+
+            return row_kernels.in_groups(x.float(), self.native_rows, run).to(x.dtype)
+        multiple = None if self.packed is None else row_kernels.packed_multiple(self.packed.tail is not None)
+        if self.packed is not None and multiple is not None:
+            packed = self.packed
+            out = row_kernels.padded(x.float(), multiple, packed.matmul)
+            out = out * self.out_scales
+            out = out if self.bias is None else out + self.bias
+            return out.to(x.dtype)
+        w = self.weight * self.scales.to(self.dense_dtype)[:, None]
+        bias = None if self.bias is None else self.bias.to(w.dtype)
+        return row_kernels.dense_linear(x.to(w.dtype), w, bias).to(x.dtype)
 
 
 class Int4Linear(nn.Module):
@@ -284,6 +315,9 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, in_features)
+        role = row_kernels.role()
+        if role is not None:
+            return self._by_role(x, role)
         rows = x.shape[0]
         if rows <= self.native_rows:
             kernels = native.kernels()
@@ -293,11 +327,34 @@ class Int4Linear(nn.Module):
             return _packed_matmul(x, self.packed)
         if rows >= MIN_ROWS_TO_DEQUANTIZE or self.weight is None:
             return _dense(x, self.dequantize(self.dense_dtype), self.bias)
+        return self._int4pack(x)
+
+    def _int4pack(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(self.kernel_dtype), self.weight, self.group_size, self.scales_and_zeros
         )
         y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def _by_role(self, x: torch.Tensor, role: row_kernels.Role) -> torch.Tensor:
+        """As `Int8Linear._by_role`, on the q4 layout or torch's int4 one."""
+        if role == "decode":
+            if self.q4 is None:
+                return self._int4pack(x)
+            kernels = native.kernels()
+            assert kernels is not None
+            q4, bias = self.q4, self.float_bias
+            rows = max(1, self.native_rows)
+            return row_kernels.in_groups(x.float(), rows, lambda a: kernels.q4_matmul(a, q4, bias)).to(
+                x.dtype
+            )
+        multiple = None if self.packed is None else row_kernels.packed_multiple(self.packed.tail is not None)
+        if self.packed is not None and multiple is not None:
+            packed = self.packed
+            return row_kernels.padded(x, multiple, lambda a: _packed_matmul(a, packed))
+        bias = None if self.bias is None else self.bias.to(self.dense_dtype)
+        w = self.dequantize(self.dense_dtype)
+        return row_kernels.dense_linear(x.to(w.dtype), w, bias).to(x.dtype)
 
 
 def _native_rows(linear: Linear, wanted: int | None, kernel_dtype: torch.dtype | None, bits: int = 8) -> int:

@@ -22,6 +22,7 @@ import torch
 from turbospark import handoff
 from turbospark.backend import CancelFlag, CompletionResult, GenerationConfig, ProgressCallback
 from turbospark.decode import run_decode_loop
+from turbospark.engine import row_kernels
 from turbospark.engine.attention import AttentionBackend, AttentionMetadata, build_attention_metadata
 from turbospark.engine.engine import StepOutput
 from turbospark.engine.kv_cache import BlockManager, KVCache
@@ -65,6 +66,7 @@ class StepInputs:
     # a vision model's image tokens in this step: (packed rows, their input embeddings); rank 0
     # only (vision models run in one process)
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    num_prompt: list[int] | None = None  # each sequence's prompt length (row roles, `row_kernels`)
 
 
 @dataclass(slots=True)
@@ -121,6 +123,8 @@ class ModelRunner:
             attention=attention,
         )
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        # rows run by role on the CPU: a generated token's keys stay out of the prefix cache
+        self.block_manager.cache_generated = self.device.type != "cpu" or not row_kernels.reproducible()
         self.graphs: CudaGraphRunner | None = None
         if is_cuda and cuda_graphs:
             from turbospark.engine.cuda_graphs import CudaGraphRunner
@@ -150,6 +154,7 @@ class ModelRunner:
             num_new=list(batch.num_new),
             sample_rows=rows,
             num_logits=[1 + batch.num_draft[i] for i in rows] if any(batch.num_draft) else [],
+            num_prompt=[seq.num_prompt_tokens for seq in batch.seqs],
         )
         encode = getattr(self.model, "encode_images", None)
         if encode is not None:  # images are encoded here, on the engine thread, when first due
@@ -175,6 +180,7 @@ class ModelRunner:
         meta, positions = build_attention_metadata(
             step.block_tables, step.num_cached, step.num_new, self.kv_cache.block_size, self.device
         )
+        meta.prompt_lens_host = step.num_prompt
         rows = step.sample_rows
         if step.num_logits:
             # sequences that verify drafts get the logits of every position from their last
@@ -200,17 +206,69 @@ class ModelRunner:
             self.wakeups.release()  # the GPU runs the step: the event loop may run meanwhile
             return StepOutput(self.graphs(input_ids, positions, meta)[: len(rows)])
         else:
-            out = self._forward(input_ids, positions, meta, want_ids=want_ids)
+            # a verification's several logits a sequence run as one forward (not by role)
+            by_role = not step.num_logits
+            out = self._forward(input_ids, positions, meta, want_ids=want_ids, by_role=by_role)
         out.logits = out.logits[: len(rows)]
         return out
 
     def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        want_ids: bool,
+        by_role: bool = True,
+    ) -> StepOutput:
+        """The eager forward. On the CPU (unless $TURBOSPARK_FAST_NONDETERMINISTIC) a step's rows
+        run the kernels of their role, a step of decode and prompt rows as one forward per role
+        (`row_kernels`), so a sequence's tokens do not depend on what shares its step."""
+        if by_role and input_ids.is_cpu and row_kernels.role() is None and row_kernels.reproducible():
+            return self._forward_by_role(input_ids, positions, meta, want_ids=want_ids)
+        return self._forward_one(input_ids, positions, meta, want_ids=want_ids)
+
+    def _forward_by_role(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, *, want_ids: bool
     ) -> StepOutput:
-        """The eager forward: the native one-call decode step where it takes the step, else the
-        model's layer-by-layer forward."""
+        """The step as the forwards `row_kernels.split_step` cuts it into, each under its role;
+        logits (and argmax ids) put back in the step's order of sampling sequences."""
+        qlens = meta.query_lens_host
+        is_decode = row_kernels.decode_sequences(qlens, meta.seq_lens_host, meta.prompt_lens_host)
+        parts = row_kernels.split_step(is_decode)
+        if parts is None:
+            with row_kernels.rows_as("decode" if is_decode[0] else "prompt"):
+                return self._forward_one(input_ids, positions, meta, want_ids=want_ids)
+        starts = [0, *itertools.accumulate(qlens)]
+        seq_of_last_row = {starts[i + 1] - 1: i for i in range(len(qlens))}
+        sampled = [seq_of_last_row[r] for r in meta.last_token_indices.tolist()]
+        is_sampled = set(sampled)
+        logits_of: dict[int, torch.Tensor] = {}
+        ids_of: dict[int, int] = {}
+        for role, seqs in parts:
+            want = [i for i in seqs if i in is_sampled] or seqs[:1]
+            sub, sub_positions = meta.select(seqs, want)
+            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs])
+            with row_kernels.rows_as(role):
+                out = self._forward_one(input_ids[rows], sub_positions, sub, want_ids=want_ids)
+            for j, i in enumerate(want):
+                logits_of[i] = out.logits[j]
+                if out.token_ids is not None:
+                    ids_of[i] = out.token_ids[j]
+        ids = [ids_of[i] for i in sampled] if want_ids and all(i in ids_of for i in sampled) else None
+        return StepOutput(torch.stack([logits_of[i] for i in sampled]), ids)
+
+    def _forward_one(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, *, want_ids: bool
+    ) -> StepOutput:
+        """One eager forward: the native one-call decode step where it takes the step (never
+        under the prompt role), else the model's layer-by-layer forward."""
         decoder = self._native_decoder()
-        if decoder is not None and decoder.takes(input_ids, meta, self.kv_cache):
+        if (
+            decoder is not None
+            and row_kernels.role() != "prompt"
+            and decoder.takes(input_ids, meta, self.kv_cache)
+        ):
             on_enter = self.wakeups.release_step
             logits, ids = decoder.step(input_ids, positions, meta, self.kv_cache, on_enter, want_ids=want_ids)
             return StepOutput(logits, ids)

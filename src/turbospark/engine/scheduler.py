@@ -204,7 +204,7 @@ class Scheduler:
             hashed = self.blocks.register_full_blocks(
                 seq.cache_ids(),
                 seq.block_table,
-                seq.num_computed_tokens,
+                _cacheable(seq, self.blocks),
                 seq.num_hashed_blocks,
                 seq.last_block_key,
             )
@@ -311,3 +311,13 @@ class Scheduler:
         for b in range(self.blocks.num_blocks):
             assert self.blocks.ref_counts[b] == held.get(b, 0), f"block {b} referenced wrongly"
         self.blocks.check()
+
+
+def _cacheable(seq: Sequence, blocks: BlockManager) -> int:
+    """How many of the sequence's computed tokens may enter the prefix cache: all of them, or
+    where the blocks hold no generated tokens' keys (`BlockManager.cache_generated` off: the CPU
+    running rows by role, `row_kernels`) only its prompt's, so a later prompt that repeats an
+    answer computes it as a cold prompt would."""
+    if blocks.cache_generated:
+        return seq.num_computed_tokens
+    return min(seq.num_computed_tokens, seq.num_prompt_tokens)

@@ -17,6 +17,7 @@ Attribute names equal the Hugging Face weight names, so a checkpoint loads witho
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, Self
@@ -24,7 +25,7 @@ from typing import Any, Self
 import torch
 from torch import nn
 
-from turbospark.engine import cuda_ops
+from turbospark.engine import cuda_ops, row_kernels
 from turbospark.engine.attention import AttentionMetadata
 from turbospark.engine.kv_cache import KVCache, LayerCache
 from turbospark.engine.layers import (
@@ -312,7 +313,10 @@ class CausalLM(nn.Module):
         of each sequence's last token, layer by layer. `embeds` (packed rows, their vectors):
         input embeddings used instead of the ids' for those rows (a vision model's image tokens).
         (Whole-step shortcuts, the CPU's one-call native decode and CUDA graph replay, are the
-        runner's strategies.)"""
+        runner's strategies.)
+
+        Under a row role (`engine/row_kernels.py`: the runner runs a CPU step's decode and prompt
+        rows apart, each under its role) the lm_head's rows run as decode rows."""
         x = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
         if embeds is not None:
             x.index_copy_(0, embeds[0], embeds[1].to(x.dtype))
@@ -325,4 +329,7 @@ class CausalLM(nn.Module):
         if last.shape[0] != x.shape[0]:  # else one token per sequence (decodes): all are last
             x, residual = x[last], residual[last]
         h, _ = self.model.norm.add_norm(x, residual)  # (num_seqs, hidden)
-        return self.lm_head(h).float()  # type: ignore[no-any-return]
+        # the lm_head's rows (one per sampling sequence) always run as decode rows
+        head_role = None if row_kernels.role() is None else row_kernels.rows_as("decode")
+        with head_role or contextlib.nullcontext():
+            return self.lm_head(h).float()  # type: ignore[no-any-return]

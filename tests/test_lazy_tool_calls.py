@@ -6,6 +6,7 @@ not exist (what Qwen2.5-Coder-0.5B does under Claude Code); the mask leaves it n
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -114,6 +115,26 @@ def test_free_text_and_valid_calls_come_out_as_written(tokenizer: Tokenizer) -> 
     result = _run(good, tokenizer, 0)
     assert result["text"] == ""
     assert [(c["name"], c["arguments"]) for c in result["calls"]] == [("Bash", {"command": "cat notes.txt"})]
+
+
+def _tagged(name: str, arguments: dict[str, Any]) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+@pytest.mark.parametrize("tokenizer", _tokenizers(), ids=["bytes", "bpe"])
+def test_a_call_written_again_ends_the_answer(tokenizer: Tokenizer) -> None:
+    """The scripted model repeats its call (what a 0.5B model can do under parallel calls until
+    max_tokens): the answer ends once a call closes as an earlier one did; different calls in one
+    answer all come through."""
+    cat = _tagged("Bash", {"command": "cat notes.txt"})
+    result = _run("\n".join([cat] * 5), tokenizer, 0)
+    assert [(c["name"], c["arguments"]) for c in result["calls"]] == [
+        ("Bash", {"command": "cat notes.txt"})
+    ] * 2
+    two = "\n".join([cat, _tagged("Read", {"file_path": "notes.txt"}), _tagged("Bash", {"command": "ls"})])
+    result = _run(two, tokenizer, 0)
+    assert [c["name"] for c in result["calls"]] == ["Bash", "Read", "Bash"]
+    _assert_valid_calls(result)
 
 
 def test_off_leaves_the_call_to_the_guardrails() -> None:

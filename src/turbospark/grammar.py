@@ -476,6 +476,7 @@ class LazyCallGrammars:
 
     by_token: dict[int, llguidance.LLMatcher]  # opening special token -> the family's call grammar
     bare: llguidance.LLMatcher | None  # a bare / fenced JSON call at the answer's start
+    closer_id: int | None = None  # the token that closes a tagged call (`</tool_call>`), if one
 
 
 _lazy_cache: OrderedDict[tuple[int, int, str], LazyCallGrammars] = OrderedDict()
@@ -500,6 +501,7 @@ def lazy_call_grammars(
     }
     opener = openers.get(family)
     opener_id = tokenizer.token_to_id(opener) if opener is not None else None
+    closer_id = tokenizer.token_to_id("</tool_call>") if opener == "<tool_call>" else None
     with_bare = bare and family in (ToolFamily.HERMES, ToolFamily.LLAMA3)
     if opener_id is None and not with_bare:
         return None
@@ -518,7 +520,9 @@ def lazy_call_grammars(
     if opener_id is not None:
         by_token[opener_id] = make_matcher(g_call.text(), tokenizer, vocab_size, "tools")
     built = LazyCallGrammars(
-        by_token, make_matcher(g_bare.text(), tokenizer, vocab_size, "tools") if with_bare else None
+        by_token,
+        make_matcher(g_bare.text(), tokenizer, vocab_size, "tools") if with_bare else None,
+        closer_id,
     )
     with _ll_lock:
         _lazy_cache[key] = built
@@ -531,8 +535,12 @@ class LazyToolCallProcessor:
     """Free text until a call starts, then the call's grammar (see the section comment above).
 
     After the call grammar completes only EOS is left (a reply that calls tools ends there, as
-    the families' templates teach). `mask_seconds` / `num_masked` total the mask's cost for
-    benchmarks; `trigger` says which form started the constraint (None: it never did).
+    the families' templates teach). A tagged call that closes exactly as an earlier call of the
+    same answer did (same tokens) also leaves only EOS: a small model that starts repeating its
+    call (Qwen2.5-Coder-0.5B under an agent's parallel tool calls) would otherwise write the
+    same call until max_tokens or the context ran out; the two calls written stay as written.
+    `mask_seconds` / `num_masked` total the mask's cost for benchmarks; `trigger` says which
+    form started the constraint (None: it never did).
     """
 
     def __init__(
@@ -557,6 +565,9 @@ class LazyToolCallProcessor:
         self.matcher: llguidance.LLMatcher | None = None
         self.trigger: str | None = None
         self.failed = False  # the written prefix did not fit the grammar: left free
+        self.call: list[int] | None = None  # the tagged call being written, from its opener
+        self.calls: set[tuple[int, ...]] = set()  # the answer's closed tagged calls
+        self.repeated = False  # a call closed as an earlier one did: only EOS is left
         self.num_seen = 0
         self.num_masked = 0
         self.mask_seconds = 0.0
@@ -585,6 +596,7 @@ class LazyToolCallProcessor:
     def _advance(self, token_id: int) -> None:
         if self.matcher is not None:
             self.matcher.consume_token(token_id)
+            self._track_call(token_id)
             return
         if self.failed:
             return
@@ -599,6 +611,7 @@ class LazyToolCallProcessor:
         opener = self.grammars.by_token.get(token_id)
         if opener is not None:
             self._start(opener, [token_id], "tag")
+            self.call = [token_id]
             return
         if not self.watch_bare:
             return
@@ -611,6 +624,20 @@ class LazyToolCallProcessor:
         self.watch_bare = False
         self.answer = []
 
+    def _track_call(self, token_id: int) -> None:
+        """Follows the tagged calls of a constrained answer, to spot one written again."""
+        if token_id in self.grammars.by_token:
+            self.call = [token_id]
+            return
+        if self.call is None:
+            return
+        self.call.append(token_id)
+        if token_id == self.grammars.closer_id:
+            closed = tuple(self.call)
+            self.repeated = self.repeated or closed in self.calls
+            self.calls.add(closed)
+            self.call = None
+
     def __call__(self, generated_ids: Sequence[int], logits: torch.Tensor) -> None:
         for token_id in generated_ids[self.num_seen :]:
             self._advance(token_id)
@@ -618,7 +645,7 @@ class LazyToolCallProcessor:
         matcher = self.matcher
         if matcher is None:
             return
-        if matcher.is_stopped() or matcher.is_error():
+        if matcher.is_stopped() or matcher.is_error() or self.repeated:
             if self.eos_ids:
                 force_tokens(logits, self.eos_ids)
             return

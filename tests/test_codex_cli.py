@@ -297,6 +297,8 @@ def test_launch_codex_runs_a_turn_on_the_running_server(codex: str, tmp_path: Pa
     with RecordingServer([backend], api_keys=[API_KEY]) as server:
         events, stderr = launch_codex(server, tmp_path, "say hi", model="local")
     assert f"codex on local at {server.url}" in stderr
+    # the scripted model's context, read from the server's /api/ps, is Codex's window
+    assert f"codex gets a context window of {MAX_CONTEXT} tokens" in stderr
     assert [m["text"] for m in items(events, "agent_message")] == ["Hello through launch."]
     (body,) = server.bodies
     assert body["model"] == "local" and body["stream"] is True

@@ -15,7 +15,10 @@
 5. Codex's configuration, as `-c` overrides on its command line (the user's own config.toml is
    left as it is): a `turbospark` provider on the server's Responses API with the key in
    `TURBOSPARK_API_KEY`, the model, the same long stream idle limit, analytics, feedback and the
-   update check off.
+   update check off; and the model's context as served (`/api/ps`, else what its files declare)
+   as Codex's context window, with auto-compaction at 80% of it: Codex knows nothing of a local
+   model and would otherwise assume a hosted model's window and send a history the server must
+   refuse as too long.
 """
 
 from __future__ import annotations
@@ -88,8 +91,15 @@ def agent_env(agent: str, base_url: str, model: str, api_key: str) -> dict[str, 
     return env
 
 
-def agent_command(agent: str, executable: str, base_url: str, model: str, env: dict[str, str]) -> list[str]:
-    """The agent's argv before the user's own arguments."""
+# Codex compacts its history once a request reaches this share of the context window
+COMPACT_AT = 0.8
+
+
+def agent_command(
+    agent: str, executable: str, base_url: str, model: str, env: dict[str, str], context: int = 0
+) -> list[str]:
+    """The agent's argv before the user's own arguments; `context`: the model's context window
+    as served (0: unknown, the agent's own default)."""
     if agent == "claude":
         return [executable, "--model", env["ANTHROPIC_MODEL"]]
     provider = (
@@ -104,6 +114,11 @@ def agent_command(agent: str, executable: str, base_url: str, model: str, env: d
         "feedback.enabled=false",
         "check_for_update_on_startup=false",
     ]
+    if context > 0:
+        overrides += [
+            f"model_context_window={context}",
+            f"model_auto_compact_token_limit={int(context * COMPACT_AT)}",
+        ]
     return [executable, *(a for o in overrides for a in ("-c", o))]
 
 
@@ -137,6 +152,22 @@ def pick_model(store: ModelStore) -> str:
             f"pullable: {pullable}) or name one with --model"
         )
     return min(fits, key=lambda e: e.size).name
+
+
+def served_context(base_url: str, model: str, model_dirs: Sequence[str], api_key: str) -> int:
+    """The model's context as the server at base_url serves it (its `/api/ps` entry, once the
+    model is loaded), else as its files declare it; 0 where neither says."""
+    names = {model, model + ":latest", model.removesuffix(":latest")}
+    try:
+        ask = urllib.request.Request(base_url + "/api/ps", headers={"Authorization": f"Bearer {api_key}"})
+        with urllib.request.urlopen(ask, timeout=5) as reply:
+            for loaded in json.loads(reply.read()).get("models", []):
+                if {loaded.get("name"), loaded.get("model")} & names and loaded.get("context_length"):
+                    return int(loaded["context_length"])
+    except (urllib.error.URLError, OSError, ValueError, AttributeError):
+        pass
+    entry = ModelStore(model_dirs).find(model)
+    return 0 if entry is None else model_context(entry)
 
 
 def answers(base_url: str) -> bool:
@@ -213,17 +244,23 @@ def launch(
     chosen = model or pick_model(ModelStore(model_dirs))
     api_key = os.environ.get("TURBOSPARK_API_KEY", "").strip() or "turbospark"
     env = {**os.environ, **agent_env(agent, base_url, chosen, api_key)}
-    command = [*agent_command(agent, executable, base_url, chosen, env), *agent_args]
+
+    def command() -> list[str]:
+        context = served_context(base_url, chosen, model_dirs, api_key) if agent == "codex" else 0
+        if context:
+            print(f"turbospark: {agent} gets a context window of {context} tokens", file=sys.stderr)
+        return [*agent_command(agent, executable, base_url, chosen, env, context), *agent_args]
+
     if answers(base_url):
         print(f"turbospark: {agent} on {chosen} at {base_url}", file=sys.stderr)
-        os.execve(executable, command, env)
+        os.execve(executable, command(), env)
     dirs = [a for d in model_dirs for a in ("--model-dir", d)]
     server, log_path = start_server(host, port, chosen, [*dirs, *DISK_CACHE_ARGS, *serve_args])
     print(f"turbospark: started a server for {chosen} at {base_url} (log: {log_path})", file=sys.stderr)
     try:
         wait_healthy(base_url, server, log_path, ready_timeout)
         print(f"turbospark: {agent} on {chosen}", file=sys.stderr)
-        return subprocess.call(command, env=env)
+        return subprocess.call(command(), env=env)
     finally:
         server.terminate()
         try:

@@ -349,38 +349,61 @@ PROMPT_KEY_MULTIPLE = 512
 BY_ROW_MAX_CONTEXT = 2048
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _prompt_mask(first: int, rows: int, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
+    """(padded rows, padded keys) additive mask of rows at positions first.. (rows padded to
+    PROMPT_ROW_MULTIPLE with copies of the last, at its position) over num_keys real keys
+    (padded to PROMPT_KEY_MULTIPLE)."""
+    padded_rows, width = _round_up(rows, PROMPT_ROW_MULTIPLE), _round_up(num_keys, PROMPT_KEY_MULTIPLE)
+    positions = torch.arange(first, first + padded_rows).clamp_(max=num_keys - 1)
+    mask = torch.zeros(padded_rows, width, dtype=dtype)
+    return mask.masked_fill_(torch.arange(width)[None, :] > positions[:, None], float("-inf"))
+
+
 def _prompt_call(
-    q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, first: int, num_keys: int, scale: float
+    q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Rows q (rows, num_heads, head_dim) at positions first.. over keys ks, vs (num_kv_heads,
-    L, head_dim), L a multiple of PROMPT_KEY_MULTIPLE of which the first num_keys are real."""
+    """Rows q (rows, num_heads, head_dim) over keys ks, vs (num_kv_heads, padded keys,
+    head_dim) under `_prompt_mask`'s mask."""
     assert _FLASH_CPU is not None
     rows, num_heads, head_dim = q.shape
-    padded_rows = -(-rows // PROMPT_ROW_MULTIPLE) * PROMPT_ROW_MULTIPLE
+    padded_rows = mask.shape[0]
     if padded_rows != rows:  # copies of the last row, at its position
         q = torch.cat([q, q[-1:].expand(padded_rows - rows, num_heads, head_dim)])
-    positions = torch.arange(first, first + padded_rows).clamp_(max=num_keys - 1)
-    mask = torch.zeros(padded_rows, ks.shape[1], dtype=q.dtype)
-    mask.masked_fill_(torch.arange(ks.shape[1])[None, :] > positions[:, None], float("-inf"))
     o, _ = _FLASH_CPU(q.transpose(0, 1)[None], ks[None], vs[None], attn_mask=mask[None, None], scale=scale)
     return o[0].transpose(0, 1)[:rows]  # type: ignore[no-any-return]
+
+
+def _slot_ids(slots: slice | torch.Tensor) -> torch.Tensor:
+    """Context slots as int64 ids on the CPU."""
+    return torch.arange(slots.start, slots.stop) if isinstance(slots, slice) else slots
 
 
 def _prompt_spans(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Prompt-role rows of a step (their keys already written), one flash call per sequence."""
+    """Prompt-role rows of a step (their keys already written), one flash call per sequence;
+    each sequence's padded slots and mask are built by the first layer and reused."""
+    spans = meta.scratch.get("prompt_spans")
+    if spans is None:
+        spans = list[tuple[slice, torch.Tensor, torch.Tensor]]()
+        start = 0
+        for i, (qlen, kv_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
+            ids = _slot_ids(meta.context_slots(i))
+            ids = torch.cat([ids, ids[:1].expand(_round_up(kv_len, PROMPT_KEY_MULTIPLE) - kv_len)])  # masked
+            spans.append(
+                (slice(start, start + qlen), ids, _prompt_mask(kv_len - qlen, qlen, kv_len, q.dtype))
+            )
+            start += qlen
+        meta.scratch["prompt_spans"] = spans
+    assert isinstance(spans, list)
     out = q.new_empty(q.shape)
-    start = 0
-    for i, (qlen, kv_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
-        slots = meta.context_slots(i)
-        ids = torch.arange(slots.start, slots.stop) if isinstance(slots, slice) else slots
-        width = -(-kv_len // PROMPT_KEY_MULTIPLE) * PROMPT_KEY_MULTIPLE
-        ids = torch.cat([ids, ids[:1].expand(width - kv_len)])  # padding reads a real slot, masked
+    for rows, ids, mask in spans:
         ks, vs = _gather(k_cache, ids, q.dtype), _gather(v_cache, ids, q.dtype)
-        rows = slice(start, start + qlen)
-        out[rows] = _prompt_call(q[rows], ks, vs, kv_len - qlen, kv_len, scale)
-        start += qlen
+        out[rows] = _prompt_call(q[rows], ks, vs, mask, scale)
     return out
 
 
@@ -395,12 +418,12 @@ def prompt_spans_invariant(dtype: torch.dtype) -> bool:
     gen = torch.Generator().manual_seed(0)
     num_heads, num_kv_heads, head_dim, n = 14, 2, 64, 700
     q = torch.randn(n, num_heads, head_dim, generator=gen).to(dtype)
-    width = -(-n // PROMPT_KEY_MULTIPLE) * PROMPT_KEY_MULTIPLE
+    width = _round_up(n, PROMPT_KEY_MULTIPLE)
     k, v = (torch.randn(num_kv_heads, width, head_dim, generator=gen).to(dtype) for _ in range(2))
 
     def rows(a: int, b: int) -> torch.Tensor:
-        w = -(-b // PROMPT_KEY_MULTIPLE) * PROMPT_KEY_MULTIPLE
-        return _prompt_call(q[a:b], k[:, :w], v[:, :w], a, b, 0.125)
+        w = _round_up(b, PROMPT_KEY_MULTIPLE)
+        return _prompt_call(q[a:b], k[:, :w], v[:, :w], _prompt_mask(a, b - a, b, dtype), 0.125)
 
     try:
         whole = rows(0, n)
@@ -429,8 +452,7 @@ def row_context_slots(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tens
         parts: list[torch.Tensor] = []
         lengths: list[torch.Tensor] = []
         for i, (qlen, kv_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
-            slots = meta.context_slots(i)
-            ids = torch.arange(slots.start, slots.stop) if isinstance(slots, slice) else slots
+            ids = _slot_ids(meta.context_slots(i))
             n = torch.arange(kv_len - qlen + 1, kv_len + 1)  # each row's context length
             first = torch.cumsum(n, 0) - n  # where each row's run starts in the flat list
             flat = torch.arange(int(n.sum())) - torch.repeat_interleave(first, n)
@@ -549,7 +571,7 @@ class _CpuPlan:
 
     def _slot_tensors(self) -> list[torch.Tensor]:
         """Each decoding sequence's context slots as int64 on the CPU."""
-        return [torch.arange(s.start, s.stop) if isinstance(s, slice) else s for s in self.decode_slots]
+        return [_slot_ids(s) for s in self.decode_slots]
 
     def decode_slot_ids(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(slot ids of every decoding sequence's context, concatenated; offsets (num_decodes + 1)),

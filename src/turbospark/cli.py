@@ -86,6 +86,7 @@ def load_model(spec: str, args: argparse.Namespace, rate: RateControl | None = N
         speculative=speculative_config(args),
         disk_cache_gb=disk_cache_gb(args),
         disk_cache_dir=getattr(args, "prefix_cache_dir", None),
+        piecewise_graphs=not getattr(args, "no_piecewise_graphs", False),
     )
     return backend
 
@@ -595,6 +596,12 @@ def parser() -> argparse.ArgumentParser:
         "request's tokens may then depend on the batch, the prefix cache and the chunking)",
     )
     s.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    s.add_argument(
+        "--no-piecewise-graphs",
+        action="store_true",
+        help="CUDA: run steps that mix prefill and decode eagerly instead of replaying each "
+        "layer's work around attention from CUDA graphs (decode steps still replay whole graphs)",
+    )
     s.add_argument(
         "--tensor-parallel",
         type=positive_int,

@@ -178,3 +178,57 @@ def test_steps_that_do_not_fit_a_graph_run_eagerly() -> None:
     assert not graphs.can_replay(torch.zeros(1, device=device), meta)
     meta, _ = build_attention_metadata(tables[:2], [5, 60], [1, 1], BLOCK_SIZE, device)
     assert graphs.can_replay(torch.zeros(2, device=device), meta)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_piecewise_graphs_give_the_eager_logits_of_mixed_steps(family: str) -> None:
+    """Steps of prefill chunks beside decodes replay piecewise (padded to 16, 32 or 64 tokens),
+    a step of decodes alone the whole decode graph, a step over 64 tokens runs eagerly: every
+    step's logits match an eager run's on its own cache, and the greedy tokens are the same."""
+    from turbospark.engine.cuda_graphs import CudaGraphRunner
+
+    model, _ = cuda_model(family, init_std=0.1)
+    device = torch.device("cuda")
+    kv_eager, kv_graph = cuda_cache(model, 96), cuda_cache(model, 96)
+    graphs = CudaGraphRunner(
+        model, kv_graph, max_blocks_per_seq=16, batch_sizes=(1, 2, 4), mixed_sizes=(16, 32, 64)
+    )
+    graphs.capture()
+    assert graphs.piecewise is not None
+    prompts = [random_ids(n, seed=30 + n) for n in (5, 40, 9, 23)]
+    tables: list[list[int]] = [[], [], [], []]
+    for t in tables:
+        assert kv_eager.grow(t, 120)  # the graph cache uses the same block ids
+    done = [0, 0, 0, 0]
+    tokens: list[list[int]] = [list(p) for p in prompts]
+    # (sequence, tokens fed) per step: a prefill of three (54 tokens: the 64 pieces), decodes
+    # beside a new prompt's first chunk (19: 32) and its last (9: 16), then decodes alone (the
+    # decode graph)
+    steps = [
+        [(0, 5), (1, 40), (2, 9)],
+        [(0, 1), (2, 1), (3, 17)],
+        [(0, 1), (1, 1), (2, 1), (3, 6)],
+        [(0, 1), (1, 1), (2, 1), (3, 1)],
+        [(0, 1), (1, 1), (2, 1), (3, 1)],
+    ]
+    replayed = []
+    for step in steps:
+        feed = []
+        for i, n in step:
+            feed.append(tokens[i][done[i] : done[i] + n])
+        meta, positions = build_attention_metadata(
+            [tables[i] for i, _ in step], [done[i] for i, _ in step], [n for _, n in step], BLOCK_SIZE, device
+        )
+        ids = torch.tensor([t for f in feed for t in f], device=device)
+        with torch.inference_mode():
+            want = model(ids, positions, meta, kv_eager).clone()
+            replayed.append(graphs.piecewise.takes(ids) and not graphs.can_replay(ids, meta))
+            got = graphs(ids, positions, meta).clone()
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
+        for (i, n), row in zip(step, want.argmax(-1).tolist(), strict=True):
+            done[i] += n
+            if done[i] == len(tokens[i]):
+                tokens[i].append(row)
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+    assert replayed == [True, True, True, False, False]
+    assert not graphs.piecewise.takes(torch.zeros(65, device=device))  # past 64 tokens: eager

@@ -81,6 +81,7 @@ class RealChatModel(BackendDefaults):
         sampling: SamplingDefaults | None = None,
         vision: VisionSpec | None = None,
         speculative: SpeculativeConfig | None = None,
+        piecewise_graphs: bool = True,
     ) -> None:
         """`vision`: how this model reads images (None: it refuses them). `num_kv_blocks` sizes
         the KV cache (default: one full context per running sequence,
@@ -106,6 +107,7 @@ class RealChatModel(BackendDefaults):
             block_size=BLOCK_SIZE,
             device=device,
             kv_dtype=kv_dtype,
+            max_step_tokens=scheduler.max_batched_tokens if piecewise_graphs else 0,
         )
         self.tensor_parallel = tensor_parallel
         step_runner: StepRunner = self._runner
@@ -311,12 +313,14 @@ def load_backend(
     speculative: SpeculativeConfig | None = None,
     disk_cache_gb: float = 0.0,
     disk_cache_dir: str | None = None,
+    piecewise_graphs: bool = True,
 ) -> RealChatModel:
     """Loads a checkpoint (path, hub-cache id or bundled name) and returns its backend.
 
     `disk_cache_gb` > 0 keeps the prefix cache's blocks on disk too, up to that size (under
     `disk_cache_dir`, default the cache folder's prefix-cache/), so a restarted server reads a
-    prompt it computed before (`engine/disk_cache.py`; one process only).
+    prompt it computed before (`engine/disk_cache.py`; one process only). `piecewise_graphs`
+    off: on CUDA only decode steps replay graphs (`engine/cuda_graphs.py`).
 
     The context is the model's own, bounded by the KV cache (`kv_cache_gb`, default
     `default_kv_cache_bytes`; `kv_cache_dtype` as `resolve_kv_dtype`) and by `max_context`
@@ -423,6 +427,7 @@ def load_backend(
             sampling=sampling,
             vision=vision,
             speculative=speculative,
+            piecewise_graphs=piecewise_graphs,
         )
         if disk_cache_gb > 0:
             attach_disk_cache(backend, source, disk_cache_gb, disk_cache_dir)

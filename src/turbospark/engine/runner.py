@@ -92,11 +92,14 @@ class ModelRunner:
         attention: AttentionBackend | None = None,
         enable_prefix_caching: bool = True,
         cuda_graphs: bool = True,
+        max_step_tokens: int = 256,
         wakeups: Wakeups = handoff,
     ) -> None:
         """`num_blocks` sizes the KV cache (default: `max_num_seqs` full contexts). On CUDA the
-        cache uses the Triton paged kernels (`CudaAttention`) and decode steps replay CUDA
-        graphs (captured on the first step) unless `cuda_graphs` is off."""
+        cache uses the Triton paged kernels (`CudaAttention`) and, unless `cuda_graphs` is off,
+        decode steps replay CUDA graphs and other steps of up to `max_step_tokens` tokens (the
+        scheduler's step budget; 0: none) replay piecewise graphs, all captured on the first
+        step."""
         cfg = model.config
         assert max_context <= model.max_positions, "the model's rotary table is shorter than max_context"
         self.model = model
@@ -127,10 +130,13 @@ class ModelRunner:
         self.block_manager.cache_generated = self.device.type != "cpu" or not row_kernels.reproducible()
         self.graphs: CudaGraphRunner | None = None
         if is_cuda and cuda_graphs:
-            from turbospark.engine.cuda_graphs import CudaGraphRunner
+            from turbospark.engine.cuda_graphs import CudaGraphRunner, piecewise_sizes
 
             max_blocks = (max_context + block_size - 1) // block_size
-            self.graphs = CudaGraphRunner(model, self.kv_cache, max_blocks_per_seq=max_blocks)
+            mixed = piecewise_sizes(max_step_tokens) if max_step_tokens > 0 else ()
+            self.graphs = CudaGraphRunner(
+                model, self.kv_cache, max_blocks_per_seq=max_blocks, mixed_sizes=mixed
+            )
         self._captured = False
         self.wakeups = wakeups
         self._native: NativeDecoder | bool | None = False

@@ -159,12 +159,12 @@ class Attention(nn.Module):
         kv: LayerCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """o_proj(attention) of the step; k None: k and v are already in the cache."""
+        """The step's attention (num_tokens, num_heads * head_dim), before o_proj; k None: k
+        and v are already in the cache. The one part of a layer whose launches depend on the
+        step's sequences, not only its token count (see `DecoderLayer`)."""
         if k is None:
-            out = kv.backend.attend(q, kv.k, kv.v, meta, self.scale)  # type: ignore[attr-defined]
-        else:
-            out = kv.attend(q, k, v, meta, self.scale)  # (num_tokens, num_heads * head_dim)
-        return self.o_proj(out)  # type: ignore[no-any-return]
+            return kv.backend.attend(q, kv.k, kv.v, meta, self.scale)  # type: ignore[attr-defined,no-any-return]
+        return kv.attend(q, k, v, meta, self.scale)
 
     def forward(
         self,
@@ -175,7 +175,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # x: (num_tokens, hidden)
         q, k, v, _ = self.project(x, rope, kv, meta)
-        return self.attend(q, k, v, kv, meta)
+        return self.o_proj(self.attend(q, k, v, kv, meta))  # type: ignore[no-any-return]
 
 
 class MLP(nn.Module):
@@ -240,21 +240,42 @@ class DecoderLayer(nn.Module):
         """The hidden state is x + residual (residual None: x alone, the first layer); returns
         the next layer's (x, residual).
 
-        On small CUDA decode batches each norm runs inside the fused matmul after it (q/k/v,
-        gate/up: `cuda_ops.Norm`), where the row fits one tile; elsewhere it is its own kernel.
-        """
-        attn, mlp = self.self_attn, self.mlp
+        Three parts: `before_attention` and `after_attention` depend only on the step's token
+        count, the attention between them on its sequences too; piecewise CUDA graphs
+        (`engine/cuda_graphs.py`) replay the first two and run the attention eagerly."""
+        q, k, v, residual = self.before_attention(x, residual, rope, kv, meta)
+        return self.after_attention(self.self_attn.attend(q, k, v, kv, meta), residual)
+
+    def before_attention(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: LayerCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """Residual add, input norm and the rotated q/k/v projection: (q, k, v, residual).
+
+        On small CUDA decode batches the norm runs inside the fused projection (`cuda_ops.Norm`),
+        where the row fits one tile, and k comes back None when that kernel stored k/v already."""
+        attn = self.self_attn
         if (w := attn.fused_qkv_weight(x)) is not None and cuda_ops.fuses_norm(x.shape[1], w.weight):
             norm = cuda_ops.Norm(self.input_layernorm.weight, self.input_layernorm.eps, residual)
             q, k, v, summed = attn.project(x, rope, kv, meta, norm)
-            residual = summed if summed is not None else x
+            return q, k, v, summed if summed is not None else x
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
         else:
-            if residual is None:
-                residual, x = x, self.input_layernorm(x)
-            else:
-                x, residual = self.input_layernorm.add_norm(x, residual)
-            q, k, v, _ = attn.project(x, rope, kv, meta)
-        x = attn.attend(q, k, v, kv, meta)
+            x, residual = self.input_layernorm.add_norm(x, residual)
+        q, k, v, _ = attn.project(x, rope, kv, meta)
+        return q, k, v, residual
+
+    def after_attention(
+        self, attended: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """o_proj, residual add, post-attention norm and the MLP: the next layer's (x, residual)."""
+        mlp = self.mlp
+        x = self.self_attn.o_proj(attended)
         post = self.post_attention_layernorm
         if (w := mlp.fused_gate_up_weight(x)) is not None and cuda_ops.fuses_norm(x.shape[1], w.weight):
             act, summed = mlp.gated(x, cuda_ops.Norm(post.weight, post.eps, residual))
@@ -324,8 +345,12 @@ class CausalLM(nn.Module):
         residual = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, rope, kv_cache.layer(i), meta)
-        last = meta.last_token_indices
         assert residual is not None
+        return self.logits(x, residual, meta.last_token_indices)
+
+    def logits(self, x: torch.Tensor, residual: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """float32 logits of rows `last` (increasing) of the hidden state x + residual: the
+        final norm and the lm_head, on those rows only."""
         if last.shape[0] != x.shape[0]:  # else one token per sequence (decodes): all are last
             x, residual = x[last], residual[last]
         h, _ = self.model.norm.add_norm(x, residual)  # (num_seqs, hidden)

@@ -105,3 +105,77 @@ def test_an_unknown_speculative_method_exits_naming_it(value: str, says: str) ->
         proc.wait()
         if proc.stderr:
             proc.stderr.close()
+
+
+KERNEL_OPTIONS = (
+    "--cpu-kernels",
+    "--native-kernels",
+    "--native-vnni",
+    "--no-native-vnni",
+    "--hugepages",
+    "--no-hugepages",
+    "--fast-nondeterministic",
+    "--no-fast-nondeterministic",
+    "--pool-steal",
+    "--no-pool-steal",
+)
+
+
+@pytest.mark.parametrize("command", ["serve", "chat"])
+def test_help_lists_the_kernel_options_and_their_variables(command: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "turbospark", command, "--help"],
+        capture_output=True,
+        timeout=60,
+        env={"PYTHONPATH": str(SRC), "COLUMNS": "200"},
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    out = done.stdout.decode()
+    for option in KERNEL_OPTIONS:
+        assert option in out
+    assert "{auto,avx2,float32,bf16,bf16-native}" in out and "{auto,on,off}" in out
+    assert "$TURBOSPARK_CPU_KERNELS" in out and "$TURBOSPARK_POOL_STEAL" in out
+
+
+def test_kernel_options_set_the_process_settings_over_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from turbospark.cli import configure_kernels, parser
+    from turbospark.engine import kernel_settings
+
+    monkeypatch.setenv("TURBOSPARK_CPU_KERNELS", "float32")
+    monkeypatch.setenv("TURBOSPARK_HUGEPAGES", "0")
+    args = parser().parse_args(
+        [
+            "serve",
+            "--cpu-kernels",
+            "avx2",
+            "--native-kernels",
+            "off",
+            "--no-pool-steal",
+            "--fast-nondeterministic",
+        ]
+    )
+    try:
+        settings = configure_kernels(args)
+        assert settings == kernel_settings.current()
+        assert (settings.cpu_kernels, settings.native_kernels) == ("avx2", "off")
+        assert not settings.pool_steal and settings.fast_nondeterministic
+        assert not settings.hugepages and settings.native_vnni  # environment, default
+        defaults = configure_kernels(parser().parse_args(["serve"]))  # none given
+        assert defaults.cpu_kernels == "float32" and not defaults.fast_nondeterministic
+    finally:
+        kernel_settings.configure()
+
+
+def test_a_bad_kernel_variable_stops_serve_naming_it() -> None:
+    port = free_port()
+    done = subprocess.run(
+        [sys.executable, "-m", "turbospark", "serve", "--port", str(port), "--model", "scripted"],
+        capture_output=True,
+        timeout=60,
+        env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin", "TURBOSPARK_NATIVE_KERNELS": "maybe"},
+    )
+    err = done.stderr.decode()
+    assert done.returncode == 2, err
+    assert "TURBOSPARK_NATIVE_KERNELS='maybe'" in err and "auto, on, off" in err

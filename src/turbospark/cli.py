@@ -12,6 +12,7 @@ from pathlib import Path
 
 from turbospark import metrics
 from turbospark.backend import NO_SAMPLING_DEFAULTS, ChatModel, ReasoningEffort, SamplingDefaults
+from turbospark.engine import kernel_settings
 from turbospark.engine.scheduler import SchedulerConfig
 from turbospark.engine.speculative import DEFAULT_SPECULATIVE, SpeculativeConfig, parse_speculative
 from turbospark.launch import AGENTS, DEFAULT_DISK_CACHE_GB
@@ -242,10 +243,11 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    if getattr(args, "fast_nondeterministic", False):
-        from turbospark.engine import row_kernels
-
-        os.environ[row_kernels.ENV_VAR] = "1"  # read per step; set before any model loads
+    try:
+        configure_kernels(args)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
     limits = limits_from(args)
     args.model = model_specs(args)
     registry = build_registry(args)
@@ -400,6 +402,11 @@ def launch(args: argparse.Namespace) -> int:
 def chat(args: argparse.Namespace) -> int:
     from turbospark.chat import run_chat
 
+    try:
+        configure_kernels(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     backend = load_model(args.model or "smollm2", args)
     effort = ReasoningEffort(args.reasoning) if args.reasoning else None
     return run_chat(
@@ -409,6 +416,71 @@ def chat(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         reasoning=effort,
     )
+
+
+def configure_kernels(args: argparse.Namespace) -> kernel_settings.KernelSettings:
+    """The process's kernel settings from the kernel options given (`add_kernel_options`) over
+    the environment's; set before any model loads. Raises ValueError for a bad variable."""
+    given = {name: getattr(args, name, None) for name in kernel_settings.FIELDS}
+    return kernel_settings.configure(**given)
+
+
+def add_kernel_options(p: argparse.ArgumentParser) -> None:
+    """The kernel switches (`engine/kernel_settings.py`) as options; each left out keeps its
+    environment variable's value, else its default."""
+    env = kernel_settings.ENV_VARS
+    group = p.add_argument_group(
+        "CPU kernels (an option given overrides its environment variable, which overrides the default)"
+    )
+    group.add_argument(
+        "--cpu-kernels",
+        choices=kernel_settings.CPU_KERNEL_CHOICES,
+        default=None,
+        help="the CPU profile: auto (detected from the CPU's flags), avx2, float32, bf16 or "
+        f"bf16-native (${env['cpu_kernels']}; default auto)",
+    )
+    group.add_argument(
+        "--native-kernels",
+        choices=kernel_settings.NATIVE_KERNEL_CHOICES,
+        default=None,
+        help="turbospark's own AVX2 decode kernels: auto (where the CPU profile runs them), on "
+        f"(wherever they can run) or off (${env['native_kernels']}; default auto)",
+    )
+    switches = (
+        (
+            "--native-vnni",
+            "native_vnni",
+            "build the native kernels' dot products with AVX-512 VNNI where the CPU has it",
+            "on",
+        ),
+        (
+            "--hugepages",
+            "hugepages",
+            "move a CPU model's weights into one mapping of transparent huge pages where the "
+            "system offers them",
+            "on",
+        ),
+        (
+            "--fast-nondeterministic",
+            "fast_nondeterministic",
+            "CPU: pick kernels by a step's row count (faster mixed steps and large batches; a "
+            "request's tokens may then depend on the batch, the prefix cache and the chunking)",
+            "off",
+        ),
+        (
+            "--pool-steal",
+            "pool_steal",
+            "the native kernels' caller takes over the work of a helper thread the OS has not scheduled",
+            "on",
+        ),
+    )
+    for flag, name, what, default in switches:
+        group.add_argument(
+            flag,
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=f"{what} (${env[name]}; default {default})",
+        )
 
 
 def keep_alive_arg(value: str) -> float | None:
@@ -589,12 +661,6 @@ def parser() -> argparse.ArgumentParser:
         metavar="K",
         help=f"most draft tokens verified per sequence and step (default {SpeculativeConfig().num_tokens})",
     )
-    s.add_argument(
-        "--fast-nondeterministic",
-        action="store_true",
-        help="CPU: pick kernels by a step's row count (faster mixed steps and large batches; a "
-        "request's tokens may then depend on the batch, the prefix cache and the chunking)",
-    )
     s.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     s.add_argument(
         "--no-piecewise-graphs",
@@ -631,6 +697,7 @@ def parser() -> argparse.ArgumentParser:
     ):
         shown = "" if default is None else f" (default {default})"
         limits.add_argument(flag, type=int, default=None, help=what + shown)
+    add_kernel_options(s)
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=serve)
 
@@ -679,6 +746,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default=None)
     c.add_argument("--max-context", type=int, default=None)
     c.add_argument("--quant", choices=["auto", "int8", "int4", "none"], default="auto")
+    add_kernel_options(c)
     c.set_defaults(func=chat, log_level="warning")
     return p
 

@@ -179,6 +179,37 @@ def test_a_worker_that_cannot_load_fails_start_up_with_its_reason() -> None:
         group.run(StepInputs([1], [[0]], [0], [1], [0]), lambda step: torch.zeros(1))
 
 
+def source_that_shows_its_kernel_settings() -> tuple[dict, dict]:
+    """A worker's checkpoint source that fails with the worker's kernel settings in its reason."""
+    from turbospark.engine import kernel_settings
+
+    raise OSError(f"settings here: {kernel_settings.current()!r}")
+
+
+def test_a_worker_takes_rank_0s_kernel_settings() -> None:
+    """Given on rank 0's command line, not in any environment: the job carries them over."""
+    from turbospark.engine.kernel_settings import KernelSettings
+
+    chosen = KernelSettings(cpu_kernels="float32", fast_nondeterministic=True, pool_steal=False)
+    job = WorkerJob(
+        source=source_that_shows_its_kernel_settings,
+        device="cpu",
+        dtype=torch.float32,
+        quant=None,
+        max_positions=64,
+        max_context=64,
+        num_blocks=4,
+        block_size=16,
+        threads=1,
+        kernel_settings=chosen,
+    )
+    group = TensorParallelGroup.launch(2, job)
+    with pytest.raises(RuntimeError, match="rank 1 failed") as failed:
+        group.wait_ready()
+    assert repr(chosen) in str(failed.value)
+    assert not wait_gone(set(group.worker_pids))
+
+
 def test_a_model_that_does_not_split_is_refused_with_its_numbers(folders: dict[str, Path]) -> None:
     # the llama3 tiny model has one kv head: two ranks cannot split it
     with pytest.raises(ValueError, match=r"over 2 ranks .* kv heads \(1\) do not"):

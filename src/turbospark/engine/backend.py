@@ -373,6 +373,7 @@ def load_backend(
         quant = auto_quant(ckpt.tensors)
     group = None
     if tensor_parallel > 1:
+        from turbospark.engine import kernel_settings
         from turbospark.engine.parallel import CheckpointSource, TensorParallelGroup, WorkerJob
 
         job = WorkerJob(
@@ -386,6 +387,7 @@ def load_backend(
             block_size=BLOCK_SIZE,
             threads=max(1, threads // tensor_parallel),
             kv_dtype=kv_dtype,
+            kernel_settings=kernel_settings.current(),
         )
         group = TensorParallelGroup.launch(tensor_parallel, job)  # they load while this rank does
     tensors = dict(ckpt.tensors)

@@ -27,13 +27,15 @@ its blocked layout, float32 activations, float32 FMAs) beat both: Qwen2.5-0.5B's
   (int8) tok/s, the native one-call step at 46.5 / 44.8, so that kind runs prompts in bf16 and
   decode steps natively, as "bf16-native" below (prefill 1.03x / 0.93x of all-bf16). On a
   Sapphire Rapids Xeon (AMX) the trade is worse for prompts (0.75x) and that kind keeps torch's
-  kernels (benchmarks/RESULTS.md). `TURBOSPARK_NATIVE_KERNELS` = "auto" (default, as said), "1"
-  (wherever they can run) or "0" (never);
+  kernels (benchmarks/RESULTS.md). The `native_kernels` setting (`--native-kernels`,
+  `TURBOSPARK_NATIVE_KERNELS`) = "auto" (default, as said), "on" (wherever they can run) or "off"
+  (never);
 - torch's decode kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`), where the
   native ones do not run, get bf16 activations: with float32 activations both run 20-100x
   slower on AVX2 (measured).
 
-`TURBOSPARK_CPU_KERNELS` overrides the detection: "auto" (default), "avx2" (fp16-packed many-row
+The `cpu_kernels` setting (`--cpu-kernels`, `TURBOSPARK_CPU_KERNELS`: `kernel_settings`)
+overrides the detection: "auto" (default), "avx2" (fp16-packed many-row
 matmuls where fbgemm exists, float32 activations), "float32" (float32 expansion, float32
 activations), "bf16" (bfloat16 expansion and activations, for a CPU with native bf16 that
 detection missed), or "bf16-native" (bfloat16 expansion for many rows, float32 activations and
@@ -48,14 +50,14 @@ from dataclasses import dataclass
 
 import torch
 
-from turbospark.engine import native, row_kernels
+from turbospark.engine import kernel_settings, native, row_kernels
 from turbospark.engine.cpu_info import cpu_flags
 
-ENV_VAR = "TURBOSPARK_CPU_KERNELS"
+ENV_VAR = kernel_settings.ENV_VARS["cpu_kernels"]
 # the native kernels' row limit: beyond it a matmul is a prefill chunk or a large decode batch,
 # where fbgemm's fp16 GEMM (or the expansion path) wins
 NATIVE_MAX_ROWS = 8
-CHOICES = ("auto", "avx2", "float32", "bf16", "bf16-native")
+CHOICES = kernel_settings.CPU_KERNEL_CHOICES
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +69,7 @@ class CpuKernels:
     dense_dtype: torch.dtype  # what a quantized linear expands to for a many-row matmul
     packed_half: bool  # many-row matmuls through fbgemm's fp16 GEMM on weights packed at load
     activation_dtype: torch.dtype  # a quantized model's activations and KV cache
-    source: str  # "detected" or the override's value
+    source: str  # "detected", or where the override came from and its value
     native_rows: int = 0  # few-row quantized matmuls on turbospark's AVX2 kernels (0: torch's)
 
     def describe(self) -> str:
@@ -112,14 +114,16 @@ def has_fbgemm_half() -> bool:
 def detect(
     flags: frozenset[str] | None = None, override: str | None = None, native_rows: int | None = None
 ) -> CpuKernels:
-    """The profile for this CPU (or for `flags`), with `override` (or $TURBOSPARK_CPU_KERNELS);
+    """The profile for this CPU (or for `flags`), with `override` (or the `cpu_kernels` setting);
     `native_rows` None: what this machine's native kernels take (0 when `flags` are given)."""
     if native_rows is None and flags is not None:
         native_rows = 0
     if flags is None:
         flags = cpu_flags()
+    label = ENV_VAR
     if override is None:
-        override = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+        override = kernel_settings.current().cpu_kernels
+        label = kernel_settings.origin("cpu_kernels")
     if override not in CHOICES:
         raise ValueError(f"{ENV_VAR}={override!r}: choose one of {', '.join(CHOICES)}")
     capability = torch.backends.cpu.get_cpu_capability()
@@ -144,7 +148,7 @@ def detect(
         dense_dtype=torch.bfloat16 if dense_bf16 else torch.float32,
         packed_half=packed_half,
         activation_dtype=torch.float32 if float_activations else torch.bfloat16,
-        source="detected" if override == "auto" else f"{ENV_VAR}={override}",
+        source="detected" if override == "auto" else f"{label}={override}",
         native_rows=native_rows,
     )
 
@@ -152,7 +156,7 @@ def detect(
 def _native_rows(dense_bf16: bool) -> int:
     """Rows per matmul the native kernels take on this machine (compiles them on first use):
     by default only where activations are float32 (bf16 emulated), where they were measured
-    faster; $TURBOSPARK_NATIVE_KERNELS=1 wherever they can run."""
+    faster; with the `native_kernels` setting "on" wherever they can run."""
     if dense_bf16 and native.mode() != "on":
         return 0
     return NATIVE_MAX_ROWS if native.kernels() is not None else 0

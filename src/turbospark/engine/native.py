@@ -15,9 +15,12 @@ Its threads are its own, not OpenMP's: work is split into chunks that threads cl
 thread the OS has not scheduled (another process, or the server's event loop, on the same
 cores) delays nothing; an OpenMP region waits for every thread of its team (see the C file).
 The thread count is torch's (`torch.get_num_threads()`). Where there is no compiler, no AVX2 /
-FMA / F16C, or `TURBOSPARK_NATIVE_KERNELS=0`, `kernels()` is None and the quantized linears keep
-torch's kernels; where bf16 is native (AMX, AVX-512 BF16) the CPU profile does not use them
-unless `TURBOSPARK_NATIVE_KERNELS=1` (measured slower there, see `cpu_kernels`).
+FMA / F16C, or the `native_kernels` setting is "off" (`--native-kernels off`,
+`TURBOSPARK_NATIVE_KERNELS=0`: `kernel_settings`), `kernels()` is None and the quantized linears
+keep torch's kernels; where bf16 is native (AMX, AVX-512 BF16) the CPU profile does not use them
+unless it is "on" (measured slower there, see `cpu_kernels`). The `native_vnni` setting picks the
+build (below), and `pool_steal` is handed to the library as it loads (`ts_pool_set_stealing`:
+the C side reads no environment).
 """
 
 from __future__ import annotations
@@ -36,20 +39,21 @@ from typing import Any
 
 import torch
 
+from turbospark.engine import kernel_settings
 from turbospark.engine.checkpoint import cache_dir
 from turbospark.engine.cpu_info import cpu_flags
 
 log = logging.getLogger(__name__)
 
-ENV_VAR = "TURBOSPARK_NATIVE_KERNELS"
+ENV_VAR = kernel_settings.ENV_VARS["native_kernels"]
 SOURCE = Path(__file__).with_name("csrc") / "qgemv.c"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno", "-pthread", "-shared", "-fPIC")
 REQUIRED_FLAGS = frozenset({"avx2", "fma", "f16c"})
 # the byte dot products as AVX-512 VNNI's vpdpbusd (256-bit form) where the CPU has it: one
-# instruction for vpmaddubsw + vpmaddwd, the same sums; $TURBOSPARK_NATIVE_VNNI=0 keeps AVX2's
+# instruction for vpmaddubsw + vpmaddwd, the same sums; the `native_vnni` setting off keeps AVX2's
 VNNI_FLAGS = ("-mavx512vnni", "-mavx512vl")
 VNNI_CPU_FLAGS = frozenset({"avx512_vnni", "avx512vl"})
-VNNI_ENV_VAR = "TURBOSPARK_NATIVE_VNNI"
+VNNI_ENV_VAR = kernel_settings.ENV_VARS["native_vnni"]
 BLOCK = 32  # inputs per quantization block (activations and q4 weights)
 SCALE_GROUP = 8  # q4 scale rows are padded to a multiple of this many blocks
 MAX_ROWS = 8  # rows per call (the C side's MAX_ROWS)
@@ -238,7 +242,7 @@ def _compiler() -> str | None:
 
 def uses_vnni(flags: frozenset[str] | None = None) -> bool:
     """Whether the kernels are built with AVX-512 VNNI dot products on this CPU (or `flags`)."""
-    if os.environ.get(VNNI_ENV_VAR, "").strip().lower() in ("0", "off", "false", "no"):
+    if not kernel_settings.current().native_vnni:
         return False
     return VNNI_CPU_FLAGS.issubset(cpu_flags() if flags is None else flags)
 
@@ -301,24 +305,20 @@ def _load(path: Path, vnni: bool = False) -> Kernels:
     lib.ts_pool_set_stealing.restype = _I
     lib.ts_pool_test_stall.argtypes = [_I]
     lib.ts_pool_test_stall.restype = None
+    lib.ts_pool_set_stealing(int(kernel_settings.current().pool_steal))
     return Kernels(lib, path, vnni)
 
 
 def mode() -> str:
-    """$TURBOSPARK_NATIVE_KERNELS as "auto" (default: where the CPU profile runs them), "on"
+    """The `native_kernels` setting: "auto" (default: where the CPU profile runs them), "on"
     (wherever they can run) or "off"."""
-    value = os.environ.get(ENV_VAR, "auto").strip().lower()
-    if value in ("0", "off", "false", "no"):
-        return "off"
-    if value in ("1", "on", "true", "yes"):
-        return "on"
-    return "auto"
+    return kernel_settings.current().native_kernels
 
 
 def unavailable_reason(flags: frozenset[str] | None = None) -> str | None:
     """Why the kernels cannot run here (None: they can, given a compiler)."""
     if mode() == "off":
-        return f"{ENV_VAR} turns them off"
+        return f"{kernel_settings.origin('native_kernels')} turns them off"
     missing = REQUIRED_FLAGS - (cpu_flags() if flags is None else flags)
     if missing:
         return f"the CPU lacks {', '.join(sorted(missing))}"

@@ -12,8 +12,9 @@ ids come from rank 0's block manager and are valid on every rank: each rank's ca
 blocks, holding its own kv heads. Only rank 0 samples.
 
 Processes: workers are started with torch.multiprocessing's spawn by `TensorParallelGroup.launch`
-(from `load_backend`), meet rank 0 at a TCPStore on 127.0.0.1 (a port the OS picks), and load
-their own shard of the checkpoint. The model's collectives run on NCCL on CUDA (one GPU a rank,
+(from `load_backend`), meet rank 0 at a TCPStore on 127.0.0.1 (a port the OS picks), take rank
+0's kernel settings (`WorkerJob.kernel_settings`: its command line's choices reach them too) and
+load their own shard of the checkpoint. The model's collectives run on NCCL on CUDA (one GPU a rank,
 NVLink multicast off) and gloo on CPU: the backend follows the device, the code is the same.
 A worker leaves when rank 0 sends the stop message (`close`, also run at exit), when the control
 connection breaks, or when its parent process is gone (a watchdog thread), so no worker outlives
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from turbospark.engine.engine import StepOutput
+from turbospark.engine.kernel_settings import KernelSettings, use_settings
 from turbospark.engine.memory import fix_mmap_threshold, release_freed_memory, weight_stats
 from turbospark.engine.runner import ModelRunner, StepInputs
 from turbospark.engine.tensor_parallel import Shard
@@ -191,6 +193,9 @@ class WorkerJob:
     block_size: int
     threads: int
     kv_dtype: torch.dtype | None = None  # None: the model's
+    # rank 0's kernel switches, given on its command line or in its environment (None: the
+    # worker's own environment decides)
+    kernel_settings: KernelSettings | None = None
 
 
 class TensorParallelGroup:
@@ -392,6 +397,8 @@ def _worker_main(rank: int, world_size: int, port: int, job: WorkerJob) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _exit_with_parent()
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
+    if job.kernel_settings is not None:
+        use_settings(job.kernel_settings)  # before the shard loads: the same kernels as rank 0
     torch.set_num_threads(job.threads)
     store = dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1",

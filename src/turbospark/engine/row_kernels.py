@@ -22,7 +22,8 @@ by the row's *role* instead, decided once per step (`plan_step`):
 Only prompt-role KV enters the prefix cache (`scheduler.update`), so a later prompt that
 repeats an earlier answer computes those tokens the way a cold request would.
 
-`TURBOSPARK_FAST_NONDETERMINISTIC=1` (`serve --fast-nondeterministic`) turns all of this off:
+The `fast_nondeterministic` setting (`serve --fast-nondeterministic`, or
+`TURBOSPARK_FAST_NONDETERMINISTIC=1`: `kernel_settings`) turns all of this off:
 the row count picks the kernel again, mixed steps run as one forward, and a seed's text may
 depend on the batch (benchmarks/RESULTS.md has the cost of each side).
 """
@@ -31,14 +32,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Literal
 
 import torch
 
-ENV_VAR = "TURBOSPARK_FAST_NONDETERMINISTIC"
+from turbospark.engine import kernel_settings
+
+ENV_VAR = kernel_settings.ENV_VARS["fast_nondeterministic"]
 Role = Literal["decode", "prompt"]
 DECODE_GROUP = 8  # the native kernels' row limit (native.MAX_ROWS)
 
@@ -46,8 +48,9 @@ _state = threading.local()
 
 
 def reproducible() -> bool:
-    """Whether the CPU runs rows by role (the default); False under $TURBOSPARK_FAST_NONDETERMINISTIC."""
-    return os.environ.get(ENV_VAR, "").strip().lower() not in ("1", "on", "true", "yes")
+    """Whether the CPU runs rows by role (the default); False under the `fast_nondeterministic`
+    setting. Asked at each step."""
+    return not kernel_settings.current().fast_nondeterministic
 
 
 def role() -> Role | None:

@@ -227,7 +227,7 @@ class ModelRunner:
         want_ids: bool,
         by_role: bool = True,
     ) -> StepOutput:
-        """The eager forward. On the CPU (unless $TURBOSPARK_FAST_NONDETERMINISTIC) a step's rows
+        """The eager forward. On the CPU (unless fast_nondeterministic, `kernel_settings`) a step's rows
         run the kernels of their role, a step of decode and prompt rows as one forward per role
         (`row_kernels`), so a sequence's tokens do not depend on what shares its step."""
         if by_role and input_ids.is_cpu and row_kernels.role() is None and row_kernels.reproducible():

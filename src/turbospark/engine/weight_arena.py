@@ -15,7 +15,7 @@ the old storage is freed as the next is copied (the peak grows by one tensor, no
 Tensors that are views into a larger storage keep it, as do opaque packed weights (fbgemm's).
 
 Off where the system has no transparent huge pages (not Linux, or `enabled` is `never`), and
-with `TURBOSPARK_HUGEPAGES=0`.
+with the `hugepages` setting off (`--no-hugepages`, `TURBOSPARK_HUGEPAGES=0`: `kernel_settings`).
 """
 
 from __future__ import annotations
@@ -24,15 +24,16 @@ import ctypes
 import dataclasses
 import logging
 import mmap
-import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from turbospark.engine import kernel_settings
+
 log = logging.getLogger("turbospark.engine")
 
-ENV_VAR = "TURBOSPARK_HUGEPAGES"
+ENV_VAR = kernel_settings.ENV_VARS["hugepages"]
 HUGE_PAGE = 2 << 20
 TRIM_EVERY = 16 << 20
 ALIGN = 64  # each tensor starts on a cache line: the kernels' loads are aligned as before
@@ -41,7 +42,7 @@ THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 def available() -> bool:
     """Whether packing can get huge pages here (and is not switched off)."""
-    if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "off", "no"):
+    if not kernel_settings.current().hugepages:
         return False
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return False

@@ -151,7 +151,7 @@ typedef struct {
 
 static helper_slot slots[MAX_HELPERS];
 static int abort_signal;      /* 0: the signal already had a handler, chunks are never taken over */
-static atomic_int stealing = 1; /* chunks may be taken over (TURBOSPARK_POOL_STEAL=0 starts it off) */
+static atomic_int stealing = 1; /* chunks may be taken over (set on load: ts_pool_set_stealing) */
 static atomic_long num_steals; /* chunks the caller took over, for tests and diagnostics */
 static atomic_int stall_test_ns; /* tests only: helpers sleep this long in every third chunk */
 
@@ -174,11 +174,8 @@ static void on_abort(int sig) {
     }
 }
 
-/* the abort signal's handler, once, unless the signal already has one; reads
- * TURBOSPARK_POOL_STEAL=0, which starts with taking chunks over turned off */
+/* the abort signal's handler, once, unless the signal already has one */
 static void install_abort_signal(void) {
-    const char *env = getenv("TURBOSPARK_POOL_STEAL");
-    if (env && strcmp(env, "0") == 0) atomic_store(&stealing, 0);
     const int sig = SIGRTMIN + 4;
     struct sigaction old;
     if (sig > SIGRTMAX || sigaction(sig, NULL, &old) != 0 || old.sa_handler != SIG_DFL) return;
@@ -335,7 +332,8 @@ static void parallel_chunks(chunk_fn fn, void *ctx, int chunks, int threads) {
 /* chunks taken over from a stalled helper since the process started */
 long ts_pool_steals(void) { return atomic_load(&num_steals); }
 
-/* turns taking chunks over on (1) or off (0); returns the previous setting */
+/* turns taking chunks over on (1) or off (0); returns the previous setting. The loader calls it
+ * with the process's pool_steal setting (turbospark.engine.kernel_settings) */
 int ts_pool_set_stealing(int on) { return atomic_exchange(&stealing, on ? 1 : 0); }
 
 /* tests only: helpers sleep `ns` in every third chunk they run (0: never) */

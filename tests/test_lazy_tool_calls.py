@@ -43,6 +43,7 @@ READ = Tool(
 )
 TOOLS = {t.name: t for t in (BASH, READ)}
 WRONG_FENCED = '```json\n{"name": "deep-research", "arguments": {"prompt": "cat notes.txt"}}\n```'
+WRONG_AFTER_JUNK = '>{"name": "deep-research", "arguments": {"prompt": "cat notes.txt"}}'
 WRONG_TAGGED = (
     'Let me look.\n<tool_call>\n{"name": "Agent", "arguments": {"prompt": "cat notes.txt"}}\n</tool_call>'
 )
@@ -95,6 +96,27 @@ def test_a_started_call_to_an_undeclared_tool_becomes_a_valid_call(tokenizer: To
         _assert_valid_calls(result)
         assert result["text"] == ""
     assert LAZY_TRIGGERS.labels(form="bare")._value.get() - before == 8
+
+
+@pytest.mark.parametrize("tokenizer", _tokenizers(), ids=["bytes", "bpe"])
+def test_a_call_after_a_junk_prefix_becomes_a_valid_call(tokenizer: Tokenizer) -> None:
+    """`>{"name": ...}` (what Qwen2.5-Coder-0.5B writes under Codex at times): the constraint
+    triggers after the junk, and the parser drops the junk with the call."""
+    before = LAZY_TRIGGERS.labels(form="bare")._value.get()
+    for seed in range(4):
+        result = _run(WRONG_AFTER_JUNK, tokenizer, seed)
+        _assert_valid_calls(result)
+        assert result["text"] == ""
+    assert LAZY_TRIGGERS.labels(form="bare")._value.get() - before == 4
+
+
+@pytest.mark.parametrize("tokenizer", _tokenizers(), ids=["bytes", "bpe"])
+def test_json_after_prose_or_a_long_prefix_stays_text(tokenizer: Tokenizer) -> None:
+    before = LAZY_TRIGGERS.labels(form="bare")._value.get()
+    good = '{"name": "Bash", "arguments": {"command": "ls"}}'
+    for prefix in ("Sure: ", "e.g. ", "a>", ">>>> ", ">" + " " * 9):
+        assert _run(prefix + good, tokenizer, 0) == {"text": prefix + good, "reasoning": "", "calls": []}
+    assert LAZY_TRIGGERS.labels(form="bare")._value.get() == before
 
 
 @pytest.mark.parametrize("tokenizer", _tokenizers(), ids=["bytes", "bpe"])
@@ -160,6 +182,21 @@ def test_off_leaves_the_call_to_the_guardrails() -> None:
         ('{"command"', False),
         ("Sure", False),
         ("[", False),
+        (">", None),
+        ("- * ", None),
+        ("``", None),
+        ('>{"name"', True),
+        ('> {\n "na', None),
+        ('>\n{"name"', True),
+        ('- * {"name"', True),
+        ('``{"name"', True),
+        ('` ``{"name"', True),
+        ('>{"command"', False),
+        ('>>>>{"name"', False),
+        ('a>{"name"', False),
+        ("> Note", False),
+        (">" + " " * 9 + "{", False),
+        ("```{", None),  # a fence's first line, still open: the fence rule decides
     ],
 )
 def test_bare_trigger_state(text: str, state: bool | None) -> None:

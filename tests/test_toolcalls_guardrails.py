@@ -155,6 +155,53 @@ def test_guardrails_off_returns_malformed_calls_as_text() -> None:
     assert _run(ToolFamily.HERMES, unclosed, GuardrailConfig(enabled=False)) == (unclosed, [])
 
 
+def _run_streamed(family: ToolFamily, text: str) -> tuple[str, list[tuple[str, Any]]]:
+    """`_run` with the text fed one character at a time, as a stream may cut it."""
+    tools = [Tool("get_weather", parameters={"type": "object", "properties": {"city": {"type": "string"}}})]
+    parser = make_tool_parser(TEMPLATES[family.value], tools, GuardrailConfig())
+    assert parser is not None
+    events = [e for ch in text for e in parser.feed(ch)] + parser.finish()
+    names = [e.name for e in events if isinstance(e, ToolCallStart)]
+    args = [json.loads(e.delta) for e in events if isinstance(e, ToolCallArgs)]
+    return "".join(e.text for e in events if isinstance(e, TextDelta)), list(zip(names, args, strict=True))
+
+
+JUNK_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+@pytest.mark.parametrize("family", [ToolFamily.HERMES, ToolFamily.LLAMA3])
+@pytest.mark.parametrize("prefix", [">", "> ", "\n>\n", "- * ", "`", "``", ":", "#"])
+def test_a_junk_prefix_before_a_bare_call_is_dropped(family: ToolFamily, prefix: str) -> None:
+    call = ("", [("get_weather", {"city": "Paris"})])
+    assert _run(family, prefix + JUNK_CALL, GuardrailConfig()) == call
+    assert _run_streamed(family, prefix + JUNK_CALL) == call
+
+
+@pytest.mark.parametrize("family", [ToolFamily.HERMES, ToolFamily.LLAMA3])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Sure: " + JUNK_CALL,  # a word before the JSON: prose with an example
+        "a>" + JUNK_CALL,
+        ">>>> " + JUNK_CALL,  # more junk than a stray token or two
+        ">" + " " * 9 + JUNK_CALL,  # a long gap
+        "```" + JUNK_CALL,  # a fence's first line is not junk
+        '> {"answer": 42}',  # JSON after junk that is not a call
+        "- [ ] a task",
+        "> quoted",
+        ">",
+    ],
+)
+def test_a_longer_or_wordy_prefix_stays_text(family: ToolFamily, text: str) -> None:
+    assert _run(family, text, GuardrailConfig()) == (text, [])
+    assert _run_streamed(family, text) == (text, [])
+
+
+def test_a_junk_prefix_is_read_only_with_the_guardrails_on() -> None:
+    text = ">" + JUNK_CALL
+    assert _run(ToolFamily.HERMES, text, GuardrailConfig(enabled=False)) == (text, [])
+
+
 def test_no_parser_without_tools() -> None:
     assert make_tool_parser(TEMPLATES["hermes"], [], GuardrailConfig()) is None
 

@@ -42,6 +42,7 @@ from turbospark.reasoning import ThinkingBudget
 from turbospark.request import ChatRequest, ResponseFormat, Tool, ToolChoiceMode
 from turbospark.toolcalls import ToolFamily, detect_family
 from turbospark.toolcalls.guardrails import GuardrailConfig
+from turbospark.toolcalls.stream import JUNK_CHARS, MAX_JUNK, MAX_JUNK_GAP, Scan, junk_prefix_end
 
 if TYPE_CHECKING:
     import llguidance
@@ -413,9 +414,11 @@ def make_matcher(grammar: str, tokenizer: Tokenizer, vocab_size: int, param: str
 # - the family's call-opening special token (`<tool_call>`, `[TOOL_CALLS]`): the grammar is the
 #   family's call syntax (`tool_call_grammar`), which starts with that token;
 # - at the very start of the answer, a bare JSON object whose first key is "name", maybe in a
-#   code fence (what small Qwen models write instead of tags; the Hermes parser reads it as a
-#   call when its guardrails are on, Llama 3 writes calls that way): once `{"name"` is written,
-#   the answer from its first token is re-read under a grammar for such a call.
+#   code fence or after a short junk prefix such as `>` (what small Qwen models write instead of
+#   tags; the Hermes parser reads it as a call when its guardrails are on, Llama 3 writes calls
+#   that way; the junk rule is the parsers', `toolcalls.stream.junk_prefix_end`): once
+#   `{"name"` is written, the answer from its first token is re-read under a grammar for such a
+#   call.
 #
 # Our own switch, not a grammar with a lazy free-text prefix: the free part costs no mask at
 # all (a token-id check, and a short decode while the answer's first characters could still
@@ -427,7 +430,7 @@ _FENCE_HEADERS = ("", "json", "json5", "tool_call", "tool_code", "javascript")
 
 def bare_trigger_state(text: str) -> bool | None:
     """For the answer's text so far: True once it opens a bare JSON call (`{"name"`, maybe
-    fenced), None while it still could, False once it cannot."""
+    fenced or after a junk prefix), None while it still could, False once it cannot."""
     s = text.lstrip()
     if _BARE_TRIGGER.match(s):
         return True
@@ -440,6 +443,13 @@ def bare_trigger_state(text: str) -> bool | None:
         if s[3:newline].strip().lower() not in _FENCE_HEADERS:
             return False
         s = s[newline + 1 :].lstrip()
+    else:
+        start = junk_prefix_end(s)
+        if not isinstance(start, int):
+            return None if start is Scan.MORE else False
+        s = s[start:]
+        if _BARE_TRIGGER.match(s):
+            return True
     if not s:
         return None
     if not s.startswith("{"):
@@ -454,9 +464,29 @@ def _ws(g: _Lark) -> str:
     return "ws?"
 
 
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def _junk(g: _Lark) -> str:
+    """The junk prefix a bare call may follow (`junk_prefix_end`): up to MAX_JUNK of
+    JUNK_CHARS, each followed by at most MAX_JUNK_GAP spaces, tabs or newlines. The regex
+    metacharacters among them are escaped, so none reads as a class operator (`-`, `~~`).
+
+    Two backticks are also one junk lexeme: the lexer does not back up, so after "``" it must
+    have a finished lexeme to fall back on when the fence's opening "```" does not come. The
+    grammar may so allow a little more junk than the trigger; it only re-reads what the trigger
+    accepted, and what it forces after that is the call."""
+    char = g.rule("/[" + "".join("\\" + c if c in _REGEX_META else c for c in JUNK_CHARS) + "]|``/")
+    gap = g.rule(f"/[ \\t\\n]{{1,{MAX_JUNK_GAP}}}/") + "?"
+    body = f"{char} {gap}"
+    for _ in range(MAX_JUNK - 1):
+        body = f"{char} {gap} ({body})?"
+    return g.rule(body)
+
+
 def bare_call_grammar(g: _Lark, tools: Sequence[Tool]) -> str:
-    """A bare JSON call, maybe in a code fence, from the answer's start: `{"name": <declared
-    tool>, "arguments": <its schema>}` ("parameters" for Llama 3's key)."""
+    """A bare JSON call from the answer's start, maybe in a code fence or after a junk prefix:
+    `{"name": <declared tool>, "arguments": <its schema>}` ("parameters" for Llama 3's key)."""
     ws = _ws(g)
     arg_key = '("\\"arguments\\"" | "\\"parameters\\"")'
     bodies = [
@@ -467,7 +497,7 @@ def bare_call_grammar(g: _Lark, tools: Sequence[Tool]) -> str:
     ]
     obj = g.rule(f'"{{" {ws} "\\"name\\"" {ws} ":" {ws} ({" | ".join(bodies)}) {ws} "}}"')
     fence = g.rule(r"/```[\w-]{0,16}[ \t]*\n/ " + f'{ws} {obj} {ws} "```"')
-    return g.rule(f"{ws} ({fence} | {obj}) {ws}")
+    return g.rule(f"{ws} ({fence} | {_junk(g)}? {obj}) {ws}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,8 @@
 Each call sits in its own tag pair; several calls are several pairs. Besides the tags, the
 guardrails accept what small Qwen models write instead: a list of calls in one pair, a call
 whose closing tag never came (the next `<tool_call>` or the end of the output closes it), and a
-bare or code-fenced JSON call at the start of the answer.
+bare or code-fenced JSON call at the start of the answer, maybe after a short junk prefix such as
+`>` (`stream.junk_prefix_end`).
 """
 
 from __future__ import annotations

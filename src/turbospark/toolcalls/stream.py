@@ -10,7 +10,11 @@ token boundaries.
 
 Whitespace that only separates calls (or precedes the first) is dropped, so a reply made of
 calls has no stray "\\n" content. A family may also accept a bare JSON call at the very start of
-the answer (Llama 3 writes calls that way; small Qwen models put them in a code fence).
+the answer (Llama 3 writes calls that way; small Qwen models put them in a code fence), or after
+a short junk prefix there (`JUNK_CHARS`, see `junk_prefix_end`): a small model sometimes writes
+`>{"name": ...}`. The junk is dropped with the call, as that whitespace is (the call counts as
+repaired, kind `junk_prefix`), and comes back as text with the rest if what follows is not a
+call. Text after the call is text as after any call (a closing backtick included).
 """
 
 from __future__ import annotations
@@ -45,6 +49,43 @@ def new_call_id() -> str:
 class Scan(Enum):
     MORE = "more"  # the region is not complete yet
     NOT_A_CALL = "not_a_call"  # a bare candidate turned out to be ordinary text
+
+
+# A bare call may follow a junk prefix at the answer's start: at most MAX_JUNK of these
+# characters (no letter or digit, no quote or bracket), each followed by at most MAX_JUNK_GAP
+# spaces, tabs or newlines. The lazy call constraint (`turbospark.grammar`) uses the same rule.
+JUNK_CHARS = ">:-*`#|~=+.,;!"
+MAX_JUNK = 3
+MAX_JUNK_GAP = 8
+JUNK_GAP_CHARS = " \t\n"
+
+
+def junk_prefix_end(text: str) -> int | Scan:
+    """For answer text past its leading whitespace: where a bare call's `{` starts after a junk
+    prefix (0 when the text opens with it), `Scan.MORE` while the prefix could still lead to one,
+    `Scan.NOT_A_CALL` once it cannot (a letter, a quote, a fourth junk character, a long gap...).
+
+    The decision depends only on the text up to the character that makes it, so it does not
+    depend on how the answer was chunked. A code fence (three backticks) is not junk: the fence
+    rule reads it.
+    """
+    if text.startswith("```"):
+        return Scan.NOT_A_CALL
+    i, n, count = 0, len(text), 0
+    while i < n:
+        ch = text[i]
+        if ch == "{":
+            return i
+        if ch not in JUNK_CHARS or count == MAX_JUNK:
+            return Scan.NOT_A_CALL
+        count += 1
+        i += 1
+        gap = i
+        while i < n and text[i] in JUNK_GAP_CHARS:
+            i += 1
+        if i - gap > MAX_JUNK_GAP:
+            return Scan.NOT_A_CALL
+    return Scan.MORE
 
 
 @dataclass(slots=True)
@@ -192,7 +233,7 @@ class StreamToolParser:
         self.at_start = True  # no answer text has come out yet
         self.ws = ""  # trailing whitespace held back: it may only separate calls
         self.after_call = False
-        self.region_ws = ""  # whitespace before the open region: restored if it is not a call
+        self.region_ws = ""  # whitespace (and junk) before the open region: restored if it is not a call
         self.scans: dict[int, JsonScan] = {}  # resumable JSON scans over the open region
 
     def json_end(self, text: str, start: int) -> int | None:
@@ -251,9 +292,13 @@ class StreamToolParser:
             stripped = buf.lstrip()
             if not stripped or "```".startswith(stripped):
                 return False  # could still open a bare call
-            if stripped[0] in "{[" or stripped.startswith("```"):
-                self.region_ws, self.ws = self.ws + buf[: len(buf) - len(stripped)], ""
-                self.marker, self.buf, self.at_start = "", stripped, False
+            start = 0 if stripped[0] in "{[" or stripped.startswith("```") else junk_prefix_end(stripped)
+            if start is Scan.MORE:
+                return False  # a junk prefix that could still lead to a bare call
+            if isinstance(start, int):
+                skip = len(buf) - len(stripped) + start
+                self.region_ws, self.ws = self.ws + buf[:skip], ""
+                self.marker, self.buf, self.at_start = "", buf[skip:], False
                 return True
         best: tuple[int, str] | None = None
         for marker in self.markers:
@@ -329,6 +374,9 @@ class StreamToolParser:
             and not all(isinstance(c.name, str) and self._declared(c.name) for c in calls)
         ):
             calls = None
+        if calls is not None and bare and self.region_ws.strip():
+            for call in calls:
+                call.repairs.append("junk_prefix")  # dropped with the call, as whitespace is
         if calls is None:
             if not bare or (self.bare_is_native and _looks_like_call(region)):
                 self._reject(out, source, "parse", "the call could not be parsed")

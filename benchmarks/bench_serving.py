@@ -31,6 +31,32 @@ On a GPU with no real weights at hand, serve a random-weight folder of a real co
     python benchmarks/bench_serving.py --serve "--model /tmp/rand-llama-8b --device cuda \\
         --max-active 64 --max-waiting 512 --kv-cache-gb 24" --concurrency 64 --num-prompts 256 \\
         --input-len 64 --output-len 256
+
+Offline vs HTTP on the same request set: `--offline` (needs `--serve ARGS`) also submits the
+request set straight to the engine that `serve ARGS` runs, in this process, with no HTTP: the
+registry and model are built by the CLI's own code for those arguments (`cli.serving_registry`,
+`cli.load_into`), and each request is the HTTP body above (same prompts, max_tokens
+`--output-len`, temperature 0.7, the served model's sampling defaults for the rest) planned by
+the server's `make_plan`. All requests are submitted at once, bounded as the server bounds them
+(`--max-active` running, `--max-waiting` in line, more as earlier ones finish); after one warm-up
+request it reports the scenario "offline" in the same table and JSON (TTFT counts from
+submission; ITL is the gap between tokens as the engine hands them out). With HTTP scenarios in
+the same invocation, their server runs first and is stopped before the offline engine loads
+(one model in GPU memory at a time), the offline run reuses the first closed loop's prompts
+(fresh ones of the same make when the serve arguments keep a disk prefix cache), and
+the ratio HTTP / offline of output tok/s, ms a step and tokens a step is printed (and written to
+the JSON as `http_over_offline`). These numbers come from the served engine, not from
+`bench_gpu.py`'s own loop. `--profile-steps N` in the serve arguments turns the engine's step
+profile on (`turbospark.engine.profile`): the server, or the offline engine, logs the split of a
+step's time every N steps, and the offline scenario also prints and writes it for its whole run.
+
+    # both on one GPU, HTTP first, then offline (ratio printed):
+    python benchmarks/bench_serving.py --serve "--model /tmp/rand-llama-8b --device cuda \\
+        --max-active 64 --max-waiting 512 --kv-cache-gb 24" --concurrency 64 --num-prompts 256 \\
+        --input-len 64 --output-len 256 --offline
+    # offline alone, with the step profile; on CPU, the packaged default model:
+    python benchmarks/bench_serving.py --serve "--model smollm2 --profile-steps 16" --offline \\
+        --concurrency "" --num-prompts 8 --input-len 32 --output-len 16
 """
 
 from __future__ import annotations
@@ -39,12 +65,15 @@ import argparse
 import asyncio
 import itertools
 import json
+import logging
 import platform
+import queue
 import random
 import shlex
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -106,10 +135,9 @@ class Result:
     error: str = ""
 
 
-async def one_request(
-    client: httpx.AsyncClient, url: str, model: str, prompt: str, output_len: int, read_delay: float = 0.0
-) -> Result:
-    body = {
+def request_body(model: str, prompt: str, output_len: int) -> dict[str, Any]:
+    """One request of the set, as sent over HTTP and as the offline mode plans it."""
+    return {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": output_len,
@@ -117,6 +145,12 @@ async def one_request(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+
+
+async def one_request(
+    client: httpx.AsyncClient, url: str, model: str, prompt: str, output_len: int, read_delay: float = 0.0
+) -> Result:
+    body = request_body(model, prompt, output_len)
     result = Result(ok=False, start=time.perf_counter())
     last = None
     try:
@@ -176,9 +210,8 @@ def new_client(rcvbuf: int | None = None) -> httpx.AsyncClient:
 
 
 async def closed_loop(
-    args: argparse.Namespace, url: str, model: str, concurrency: int
+    args: argparse.Namespace, url: str, model: str, concurrency: int, prompts: list[str]
 ) -> tuple[list[Result], float]:
-    prompts = [make_prompt(args.input_len) for _ in range(args.num_prompts)]
     todo = list(enumerate(prompts))
     results: list[Result] = []
 
@@ -255,6 +288,188 @@ def run_scenario(name: str, url: str, coro_factory: Any) -> Scenario:
     return Scenario(name, results, duration, {k: after[k] - before.get(k, 0.0) for k in after})
 
 
+# ---- offline: the served engine, no HTTP ----------------------------------------------------
+
+
+class _Refused:
+    """A request the engine's line refused (it was full): submitted again after a completion."""
+
+
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _Outbox:
+    """One request's items, stamped on arrival and put in the run's one queue."""
+
+    __slots__ = ("index", "items")
+
+    def __init__(self, index: int, items: queue.SimpleQueue[tuple[int, float, object]]) -> None:
+        self.index = index
+        self.items = items
+
+    def put(self, item: object, /) -> None:
+        self.items.put((self.index, time.perf_counter(), item))
+
+
+def serve_namespace(serve_args: str) -> argparse.Namespace:
+    """`turbospark serve ARGS` parsed by the CLI's own parser."""
+    from turbospark import cli
+
+    ns = cli.parser().parse_args(["serve", *shlex.split(serve_args)])
+    cli.speculative_config(ns)  # a bad --speculative fails here, as serve refuses it
+    return ns
+
+
+def submit_one(backend: Any, plan: Any, index: int, items: queue.SimpleQueue[Any]) -> Any:
+    """What the HTTP path does with a plan (`generate.stream_choice`): the backend's direct
+    submission, else `run_completion` on a thread of its own. Returns the submission (None on
+    the thread path); raises `EngineOverloaded` where the line is full."""
+    from turbospark.backend import EngineOverloaded
+
+    cancel = threading.Event()
+    config = plan.config_for_choice(0)
+    submission = backend.submit_completion(plan.prompt_ids, config, None, cancel, _Outbox(index, items))
+    if submission is not None:
+        return submission
+    outbox = _Outbox(index, items)
+
+    def work() -> None:
+        try:
+            outbox.put(backend.run_completion(plan.prompt_ids, config, None, cancel, outbox.put))
+        except EngineOverloaded:
+            outbox.put(_Refused())
+        except BaseException as exc:
+            outbox.put(_Failed(exc))
+
+    threading.Thread(target=work, name="bench-offline", daemon=True).start()
+    return None
+
+
+def drive(
+    registry: Any, engine: Any, model: str, prompts: list[str], output_len: int, limit: int
+) -> tuple[list[Result], float]:
+    """Plans every request as the server would (the same body, `make_plan`), submits them all,
+    at most `limit` in the engine at once (the server's --max-active + --max-waiting: what it
+    admits before answering 429), and waits for all. TTFT counts from submission, so it holds
+    the wait in the engine's line; ITL is the gap between tokens as the engine hands them out."""
+    from turbospark.api.openai import parse_chat_request
+    from turbospark.backend import CompletionResult, EngineOverloaded, TokenEvent
+    from turbospark.plan import make_plan
+
+    plans = [make_plan(parse_chat_request(request_body(model, p, output_len))[0], registry) for p in prompts]
+    items: queue.SimpleQueue[tuple[int, float, object]] = queue.SimpleQueue()
+    results = [Result(ok=False) for _ in plans]
+    last: list[float | None] = [None] * len(plans)
+    in_flight: dict[int, Any] = {}
+    todo = list(range(len(plans)))
+    refused = False
+    started = time.perf_counter()
+    while todo or in_flight:
+        while todo and (not refused or not in_flight) and len(in_flight) < limit:
+            i = todo[0]
+            results[i].start = time.perf_counter()
+            try:
+                in_flight[i] = submit_one(plans[i].backend, plans[i], i, items)
+            except EngineOverloaded:
+                refused = True  # again once a request has finished
+                break
+            todo.pop(0)
+        try:
+            i, at, raw = items.get(timeout=1.0)
+        except queue.Empty:
+            if not engine.alive():
+                raise SystemExit("offline: the engine thread stopped") from None
+            continue
+        submission = in_flight.get(i)
+        item: object = raw
+        try:
+            if isinstance(raw, _Failed):
+                raise raw.error
+            if submission is not None:
+                item = submission.take(raw)
+        except BaseException as exc:
+            results[i].error = repr(exc)
+            del in_flight[i]
+            refused = False
+            continue
+        r = results[i]
+        if isinstance(item, _Refused):
+            del in_flight[i]
+            todo.insert(0, i)
+            refused = True
+        elif isinstance(item, TokenEvent):
+            seen = last[i]
+            if seen is None:
+                r.ttft = at - r.start
+            else:
+                r.itl.append(at - seen)
+            last[i] = at
+        elif isinstance(item, CompletionResult):
+            r.e2e = at - r.start
+            r.prompt_tokens = item.num_prompt_tokens
+            r.output_tokens = len(item.token_ids)
+            r.ok = r.output_tokens > 0
+            if not r.ok:
+                r.error = f"no tokens ({item.finish_reason.value})"
+            del in_flight[i]
+            refused = False
+    return results, time.perf_counter() - started
+
+
+def engine_counters(engine: Any) -> dict[str, float]:
+    """The engine's own step counters (what /metrics exports for it)."""
+    return {
+        "forward": engine.step_seconds,
+        "overhead": engine.overhead_seconds,
+        "steps": float(engine.num_steps),
+        "prefix_hits": float(engine.scheduler.num_prefix_hit_tokens),
+    }
+
+
+def run_offline(args: argparse.Namespace, prompts: list[str]) -> tuple[Scenario, dict[str, Any] | None, str]:
+    """The request set straight into the engine `serve ARGS` runs, in this process: the registry
+    and its models built by the CLI's own code (`cli.serving_registry`, `load_into`), each
+    request planned by the server's code. Returns the scenario, the engine's step profile over
+    the measured requests (with --profile-steps in ARGS) and the model id."""
+    from turbospark import cli
+    from turbospark.registry import model_kinds
+
+    ns = serve_namespace(args.serve)
+    given = shlex.split(args.serve)
+    level = ns.log_level if any(a.startswith("--log-level") for a in given) else "warning"
+    logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    print("offline: loading the engine of serve " + args.serve, flush=True)
+    registry = cli.serving_registry(ns)
+    try:
+        cli.load_into(registry, ns)
+        served = [s for s in registry.served() if "completion" in model_kinds(s.backend)]
+        model = args.model or served[0].model_id
+        backend = registry.resolve(model).backend
+        engine = getattr(backend, "engine", None)
+        if engine is None:
+            raise SystemExit(f"offline: model {model!r} runs no engine")
+        config = engine.scheduler.config
+        limit = config.max_active + config.max_waiting
+        drive(registry, engine, model, [make_prompt(16)], 4, limit)  # warm-up (CUDA graphs)
+        if engine.profile is not None:
+            engine.profile.reset()
+        before = engine_counters(engine)
+        results, duration = drive(registry, engine, model, prompts, args.output_len, limit)
+        after = engine_counters(engine)
+        delta = {k: after[k] - before[k] for k in after}
+        delta["generated"] = float(sum(r.output_tokens for r in results if r.ok))
+        profile = engine.profile.summary() if engine.profile is not None else None
+        return Scenario("offline", results, duration, delta), profile, model
+    finally:
+        for s in registry.served():
+            close = getattr(s.backend, "close", None)
+            if close is not None:
+                close()
+        registry.close()
+
+
 # ---- reporting ------------------------------------------------------------------------------
 
 
@@ -285,6 +500,7 @@ def summarize(s: Scenario) -> dict[str, Any]:
         "output_tokens": out_tokens,
         "mean_output_tokens": out_tokens / len(ok) if ok else 0.0,
         "request_throughput": len(ok) / s.duration,
+        "input_throughput": sum(r.prompt_tokens for r in ok) / s.duration,
         "output_throughput": out_tokens / s.duration,
         "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in ok)) / s.duration,
         "ttft_ms": dist([r.ttft for r in ok]),
@@ -311,6 +527,7 @@ def print_summary(m: dict[str, Any]) -> None:
     print(f"{'duration (s)':<36}{m['duration_s']:.2f}")
     print(f"{'input / output tokens':<36}{m['input_tokens']} / {m['output_tokens']}")
     print(f"{'request throughput (req/s)':<36}{m['request_throughput']:.3f}")
+    print(f"{'prompt token throughput (tok/s)':<36}{m['input_throughput']:.2f}")
     print(f"{'output token throughput (tok/s)':<36}{m['output_throughput']:.2f}")
     print(f"{'total token throughput (tok/s)':<36}{m['total_token_throughput']:.2f}")
     for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2EL")):
@@ -382,44 +599,27 @@ def start_server(serve_args: str) -> tuple[subprocess.Popen[bytes], str]:
     raise SystemExit("the server did not become healthy")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument(
-        "--serve",
-        metavar="ARGS",
-        help='start `turbospark serve ARGS` on a free loopback port, e.g. "--model smollm2"',
-    )
-    p.add_argument("--model", help="model id to request (default: the server's first in /v1/models)")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--input-len", type=int, default=128, help="approximate prompt tokens")
-    p.add_argument("--output-len", type=int, default=64, help="max_tokens of each request")
-    p.add_argument(
-        "--concurrency", default="1,4,8,16", help='closed-loop concurrencies, comma-separated ("" for none)'
-    )
-    p.add_argument("--request-rate", type=float, help="also run Poisson arrivals at this many requests/s")
-    p.add_argument(
-        "--slow-reader", action="store_true", help="also run 8 streams with and without one slow reader"
-    )
-    p.add_argument("--slow-delay", type=float, default=0.25, help="seconds the slow reader sleeps per chunk")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--result-json", help="write every scenario's summary here")
-    args = p.parse_args(argv)
-
+def run_http(args: argparse.Namespace, summaries: list[dict[str, Any]]) -> tuple[str, list[str]]:
+    """The HTTP scenarios, against --base-url or a server `--serve` starts (and stops: an offline
+    run after them loads the model again, in this process). Returns the model id and the
+    prompts of the first closed loop (the offline run's request set)."""
     proc = None
     url = args.base_url.rstrip("/")
     if args.serve:
         proc, url = start_server(args.serve)
     try:
         model = args.model or httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        print(f"hardware: {hardware()}")
         print(f"model: {model}; prompts ~{args.input_len} tokens, max_tokens {args.output_len}", flush=True)
         asyncio.run(warm_up(url, model))
 
-        summaries = []
+        first: list[str] = []
         levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
         for c in levels:
-            s = run_scenario(f"concurrency {c}", url, lambda c=c: closed_loop(args, url, model, c))
+            prompts = [make_prompt(args.input_len) for _ in range(args.num_prompts)]
+            first = first or prompts
+            s = run_scenario(
+                f"concurrency {c}", url, lambda c=c, p=prompts: closed_loop(args, url, model, c, p)
+            )
             summaries.append(summarize(s))
             print_summary(summaries[-1])
         if args.request_rate:
@@ -456,13 +656,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for c in levels:
                 m = by_name[f"concurrency {c}"]
                 print(f"  {c:>3}: {m['output_throughput']:8.2f} tok/s  x{m['output_throughput'] / base:.2f}")
-        if args.result_json:
-            Path(args.result_json).write_text(
-                json.dumps(
-                    {"hardware": hardware(), "model": model, "args": vars(args), "scenarios": summaries},
-                    indent=2,
-                )
-            )
+        return model, first
     finally:
         if proc is not None:
             proc.terminate()
@@ -470,7 +664,106 @@ def main(argv: Sequence[str] | None = None) -> int:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
+
+
+def http_over_offline(
+    summaries: list[dict[str, Any]], offline: dict[str, Any]
+) -> dict[str, dict[str, float]]:
+    """Each HTTP scenario's output tok/s, ms a step and tokens a step over the offline run's."""
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b else float("nan")
+
+    return {
+        m["scenario"]: {
+            "output_throughput": ratio(m["output_throughput"], offline["output_throughput"]),
+            "engine_step_ms": ratio(m["engine_step_ms"], offline["engine_step_ms"]),
+            "tokens_per_step": ratio(m["tokens_per_step"], offline["tokens_per_step"]),
+        }
+        for m in summaries
+        if m["scenario"] != "offline"
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument(
+        "--serve",
+        metavar="ARGS",
+        help='start `turbospark serve ARGS` on a free loopback port, e.g. "--model smollm2"',
+    )
+    p.add_argument(
+        "--offline",
+        action="store_true",
+        help="also run the request set straight into the engine `serve ARGS` builds, in this "
+        "process, with no HTTP (needs --serve; after the HTTP scenarios, whose server is stopped "
+        'first); --concurrency "" runs it alone',
+    )
+    p.add_argument("--model", help="model id to request (default: the server's first in /v1/models)")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=128, help="approximate prompt tokens")
+    p.add_argument("--output-len", type=int, default=64, help="max_tokens of each request")
+    p.add_argument(
+        "--concurrency", default="1,4,8,16", help='closed-loop concurrencies, comma-separated ("" for none)'
+    )
+    p.add_argument("--request-rate", type=float, help="also run Poisson arrivals at this many requests/s")
+    p.add_argument(
+        "--slow-reader", action="store_true", help="also run 8 streams with and without one slow reader"
+    )
+    p.add_argument("--slow-delay", type=float, default=0.25, help="seconds the slow reader sleeps per chunk")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-json", help="write every scenario's summary here")
+    args = p.parse_args(argv)
+    if args.offline and not args.serve:
+        p.error("--offline needs --serve ARGS: the engine is built as `serve ARGS` builds it")
+    if args.offline:
+        serve_namespace(args.serve)  # bad serve arguments fail before any server starts
+
+    print(f"hardware: {hardware()}", flush=True)
+    summaries: list[dict[str, Any]] = []
+    model, prompts = args.model, []
+    if any(c.strip() for c in args.concurrency.split(",")) or args.request_rate or args.slow_reader:
+        model, prompts = run_http(args, summaries)
+    result: dict[str, Any] = {"hardware": hardware(), "model": model, "args": vars(args)}
+    if args.offline:
+        if not prompts or cli_disk_cache(args.serve):  # a disk prefix cache would hold these
+            prompts = [make_prompt(args.input_len) for _ in range(args.num_prompts)]
+        scenario, profile, model = run_offline(args, prompts)
+        offline = summarize(scenario)
+        summaries.append(offline)
+        print_summary(offline)
+        if profile is not None:
+            offline["step_profile"] = profile
+            print("\nengine step profile over the offline requests (mean ms a step):")
+            print(format_table(profile))
+        ratios = http_over_offline(summaries, offline)
+        if ratios:
+            result["http_over_offline"] = ratios
+            print("\nHTTP / offline (output tok/s, ms a step, tokens a step):")
+            for name, r in ratios.items():
+                print(
+                    f"  {name:<28} x{r['output_throughput']:.2f}   x{r['engine_step_ms']:.2f}   "
+                    f"x{r['tokens_per_step']:.2f}"
+                )
+    if args.result_json:
+        result["model"] = model
+        Path(args.result_json).write_text(json.dumps({**result, "scenarios": summaries}, indent=2))
     return 0
+
+
+def cli_disk_cache(serve_args: str) -> bool:
+    """Whether `serve ARGS` keeps a disk prefix cache (the offline run then gets fresh prompts)."""
+    from turbospark import cli
+
+    return cli.disk_cache_gb(serve_namespace(serve_args)) > 0
+
+
+def format_table(profile: dict[str, Any]) -> str:
+    from turbospark.engine.profile import format_table as table
+
+    return table(profile)
 
 
 if __name__ == "__main__":

@@ -179,3 +179,23 @@ def test_a_bad_kernel_variable_stops_serve_naming_it() -> None:
     err = done.stderr.decode()
     assert done.returncode == 2, err
     assert "TURBOSPARK_NATIVE_KERNELS='maybe'" in err and "auto, on, off" in err
+
+
+def test_profile_steps_turns_the_engines_step_profile_on() -> None:
+    import logging
+
+    from turbospark import cli
+    from turbospark.engine.profile import log as profile_log
+
+    parser = cli.parser()
+    level = profile_log.level
+    try:
+        backend = cli.load_model("scripted", parser.parse_args(["serve", "--profile-steps", "8"]))
+        profile = backend.engine.profile  # type: ignore[attr-defined]
+        assert profile is not None and profile.every == 8 and profile.name == "scripted"
+        assert profile_log.level == logging.INFO  # shown under --log-level warning too
+    finally:
+        profile_log.setLevel(level)
+    assert cli.load_model("scripted", parser.parse_args(["serve"])).engine.profile is None  # type: ignore[attr-defined]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--profile-steps", "0"])

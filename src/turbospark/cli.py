@@ -57,12 +57,14 @@ def load_model(spec: str, args: argparse.Namespace, rate: RateControl | None = N
         if spec.startswith("scripted:"):
             path = Path(spec.split(":", 1)[1])
             replies = [r for r in path.read_text(encoding="utf-8").split("\n---\n") if r]
-        return ScriptedChatModel(
+        scripted = ScriptedChatModel(
             replies or (DEMO_REPLY,),
             max_context=args.max_context or DEMO_MAX_CONTEXT,
             scheduler=scheduler_config(args),
             rate=rate,
         )
+        enable_step_profile(scripted, args)
+        return scripted
     from turbospark.engine.embedder import is_encoder_spec, load_embedding_model
 
     if is_encoder_spec(spec):  # an encoder (BERT) folder or the packaged all-minilm-l6-v2
@@ -89,7 +91,25 @@ def load_model(spec: str, args: argparse.Namespace, rate: RateControl | None = N
         disk_cache_dir=getattr(args, "prefix_cache_dir", None),
         piecewise_graphs=not getattr(args, "no_piecewise_graphs", False),
     )
+    enable_step_profile(backend, args)
     return backend
+
+
+def enable_step_profile(backend: ChatModel, args: argparse.Namespace) -> None:
+    """--profile-steps N: the backend's engine logs the split of its steps' time every N steps
+    (`turbospark.engine.profile`), shown whatever --log-level says."""
+    every = getattr(args, "profile_steps", None)
+    if not every:
+        return
+    from turbospark.engine.engine import Engine
+    from turbospark.engine.profile import log as profile_log
+
+    engine = getattr(backend, "engine", None)
+    if isinstance(engine, Engine):
+        engine.enable_profile(every)
+        profile_log.setLevel(logging.INFO)
+    else:
+        log.info("%s: --profile-steps profiles engine steps; this model runs none", backend.model_id)
 
 
 def disk_cache_gb(args: argparse.Namespace) -> float:
@@ -143,6 +163,19 @@ def served_model(spec: str, args: argparse.Namespace, rate: RateControl | None) 
             describe(served.sampling_defaults),
         )
     return served
+
+
+def serving_registry(args: argparse.Namespace) -> ModelRegistry:
+    """The registry `serve` serves for `args`, before its --model list is loaded (`load_into`);
+    `benchmarks/bench_serving.py --offline` builds the same one, with no HTTP server over it."""
+    if getattr(args, "fast_nondeterministic", False):
+        from turbospark.engine import row_kernels
+
+        os.environ[row_kernels.ENV_VAR] = "1"  # read per step; set before any model loads
+    args.model = model_specs(args)
+    registry = build_registry(args)
+    registry.num_loading = len(args.model)
+    return registry
 
 
 def build_registry(args: argparse.Namespace) -> ModelRegistry:
@@ -249,9 +282,7 @@ def serve(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
     limits = limits_from(args)
-    args.model = model_specs(args)
-    registry = build_registry(args)
-    registry.num_loading = len(args.model)
+    registry = serving_registry(args)
     state = ServerState(registry=registry, api_keys=keys, max_body_bytes=limits.max_body_bytes)
     app = create_app(state, cors_origins=args.cors_origins or (), web_ui=not args.no_webui)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
@@ -660,6 +691,17 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         metavar="K",
         help=f"most draft tokens verified per sequence and step (default {SpeculativeConfig().num_tokens})",
+    )
+    s.add_argument(
+        "--profile-steps",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="every N engine steps, log where a step's milliseconds went, averaged over those N "
+        "and split by step kind (decode, mixed, prefill, verify): schedule, inputs, forward, "
+        "sample, post, pace, idle, and tokens per step. On CUDA a profiled step synchronizes the "
+        "device after the forward and after sampling (so the forward's time is the GPU's), which "
+        "slows steps slightly. Default: off, at no cost",
     )
     s.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     s.add_argument(

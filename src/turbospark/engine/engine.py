@@ -8,7 +8,9 @@ caller's `on_progress` on the caller's own thread, so detokenizing, stop strings
 tool parsing never slow the batch (`generate.stream_choice` does the same on the event loop).
 
 The decode-rate cap paces steps: a step that produced k tokens waits until the process-wide
-`RateControl` allows k more.
+`RateControl` allows k more. With a step profile on (`enable_profile`, `serve --profile-steps`)
+the step's accounting also hands each step's boundaries to a `StepProfile`
+(`turbospark.engine.profile`); off, a step only looks at `self.profile` and finds None.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from turbospark.backend import (
     ProgressCallback,
     TokenEvent,
 )
+from turbospark.engine.profile import BUILT, PACED, POSTED, RAN, SAMPLED, SCHEDULED, STARTED, StepProfile
 from turbospark.engine.scheduler import ScheduledBatch, Scheduler
 from turbospark.engine.sequence import Sequence, SequenceFailed, SequenceStatus
 from turbospark.engine.speculative import Speculator, sample_step
@@ -153,6 +156,8 @@ class Engine:
         self._run_started = 0.0
         self.step_seconds = 0.0  # inside the model forward
         self.overhead_seconds = 0.0  # schedule + sample + bookkeeping
+        self.profile: StepProfile | None = None  # `enable_profile`
+        self._profile_device: torch.device | None = None  # a CUDA device the profile syncs
 
     # ---- entry points (any thread) ----
     def submit(
@@ -247,6 +252,8 @@ class Engine:
                 with self._lock:
                     if not self.scheduler.has_work():
                         handoff.release()
+                        if self.profile is not None:
+                            self.profile.waited()
                     while not self.scheduler.has_work() and not self._stopping:
                         self._work.wait()
                     if self._stopping:
@@ -264,13 +271,9 @@ class Engine:
             handoff.release()
 
     def step(self) -> int:
-        """One engine step: schedule -> run -> sample -> post. Returns the tokens handed out."""
+        """One engine step: schedule -> run -> sample -> post -> pace. Returns the tokens handed out."""
         started = time.perf_counter()
-        with self._lock:
-            if self.speculator is not None:
-                self.speculator.propose(self.scheduler.running, self.max_context)
-            batch = self.scheduler.schedule()
-            self._export_gauges()
+        batch = self._schedule()
         if not batch.seqs:
             handoff.release()
             time.sleep(0.001)  # everything left was cancelled, or waits for blocks
@@ -283,13 +286,38 @@ class Engine:
             return 0
         ran = time.perf_counter()
         results = self._sample(output, sampling, drafts)
+        emitted = self._post(batch, sampling, drafts, results)
+        self._account(batch, emitted, started, ran)
+        return emitted
+
+    def _schedule(self) -> ScheduledBatch:
+        """The speculator's drafts, then the scheduler's batch for this step."""
+        with self._lock:
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler.running, self.max_context)
+            batch = self.scheduler.schedule()
+            self._export_gauges()
+        if self.profile is not None:
+            self.profile.marks[SCHEDULED] = time.perf_counter()
+        return batch
+
+    def _post(
+        self,
+        batch: ScheduledBatch,
+        sampling: list[Sequence],
+        drafts: list[list[int]],
+        results: list[list[TokenEvent] | Exception],
+    ) -> int:
+        """Each sequence's new tokens to its outbox (`Scheduler.post`); returns how many."""
+        if self.profile is not None:
+            if self._profile_device is not None:
+                torch.cuda.synchronize(self._profile_device)
+            self.profile.marks[SAMPLED] = time.perf_counter()
         with self._lock:
             emitted = self.scheduler.post(batch, sampling, results, self.name)
             if self.speculator is not None:
                 self.speculator.observe(sampling, drafts, results)
             self._export_gauges()
-        self._account(batch, emitted, started, ran)
-        self._pace(emitted)
         return emitted
 
     @staticmethod
@@ -305,11 +333,20 @@ class Engine:
         return [[e] if isinstance(e, TokenEvent) else e for e in sample_batch(output.logits, sampling)]
 
     def _account(self, batch: ScheduledBatch, emitted: int, started: float, ran: float) -> None:
-        """The step's counters: metrics, and the forward's share of the step's time."""
+        """The step's counters (metrics, and the forward's share of the step's time), then the
+        decode-rate cap's wait; with a profile on, the step's parts go to it."""
         metrics.count_step(self.name, batch.num_tokens, emitted)
         self.num_steps += 1
+        posted = time.perf_counter()
         self.step_seconds += ran - self._run_started
-        self.overhead_seconds += (time.perf_counter() - started) - (ran - self._run_started)
+        self.overhead_seconds += (posted - started) - (ran - self._run_started)
+        self._pace(emitted)
+        profile = self.profile
+        if profile is not None:
+            marks = profile.marks
+            marks[STARTED], marks[RAN], marks[POSTED] = started, ran, posted
+            marks[PACED] = time.perf_counter()
+            profile.record(batch, emitted)
 
     def _run(self, batch: ScheduledBatch, *, want_ids: bool) -> StepOutput | None:
         """The forward; a failure fails the step's sequences (others go on) and gives None. The
@@ -317,6 +354,8 @@ class Engine:
         none stay held past it."""
         self._run_started = time.perf_counter()
         try:
+            if self.profile is not None:
+                return self._run_profiled(batch, want_ids=want_ids)
             return self.runner.execute(batch, want_ids=want_ids)
         except Exception as exc:
             log.exception("model step failed")
@@ -327,6 +366,31 @@ class Engine:
             return None
         finally:
             handoff.release(kept=False)
+
+    def _run_profiled(self, batch: ScheduledBatch, *, want_ids: bool) -> StepOutput:
+        """The forward as a profiled step runs it: a runner that builds its inputs apart from its
+        forward (`ModelRunner.step_inputs`, `run_step`) has them timed apart; on CUDA the device
+        is synchronized after the forward, so its time is the device's, not its launches'."""
+        assert self.profile is not None
+        build = getattr(self.runner, "step_inputs", None)
+        run_step = getattr(self.runner, "run_step", None)
+        if build is not None and run_step is not None:
+            inputs = build(batch)
+            self.profile.marks[BUILT] = time.perf_counter()
+            output: StepOutput = run_step(inputs, want_ids=want_ids)
+        else:
+            self.profile.marks[BUILT] = time.perf_counter()
+            output = self.runner.execute(batch, want_ids=want_ids)
+        if output.logits.is_cuda:
+            self._profile_device = output.logits.device
+            torch.cuda.synchronize(self._profile_device)
+        return output
+
+    def enable_profile(self, every: int) -> StepProfile:
+        """Profiles the steps from now on (`turbospark.engine.profile`): every `every` steps the
+        split of a step's time is logged. Off (None) by default: the steps then pay nothing."""
+        self.profile = StepProfile(every, self.name)
+        return self.profile
 
     def _pace(self, emitted: int) -> None:
         """The process-wide decode-rate cap: waits until `emitted` more tokens are allowed."""

@@ -14,8 +14,9 @@ import concurrent.futures
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -159,9 +160,10 @@ def broken_source() -> tuple[dict, dict]:
     raise OSError("the checkpoint vanished")
 
 
-def test_a_worker_that_cannot_load_fails_start_up_with_its_reason() -> None:
-    job = WorkerJob(
-        source=broken_source,
+def small_job(source: Callable[[], tuple[dict, dict]], **extra: Any) -> WorkerJob:
+    """A worker job of a tiny float32 model on CPU, its checkpoint from `source`."""
+    return WorkerJob(
+        source=source,
         device="cpu",
         dtype=torch.float32,
         quant=None,
@@ -170,7 +172,12 @@ def test_a_worker_that_cannot_load_fails_start_up_with_its_reason() -> None:
         num_blocks=4,
         block_size=16,
         threads=1,
+        **extra,
     )
+
+
+def test_a_worker_that_cannot_load_fails_start_up_with_its_reason() -> None:
+    job = small_job(broken_source)
     group = TensorParallelGroup.launch(2, job)
     with pytest.raises(RuntimeError, match="rank 1 failed: OSError: the checkpoint vanished"):
         group.wait_ready()
@@ -191,18 +198,7 @@ def test_a_worker_takes_rank_0s_kernel_settings() -> None:
     from turbospark.engine.kernel_settings import KernelSettings
 
     chosen = KernelSettings(cpu_kernels="float32", fast_nondeterministic=True, pool_steal=False)
-    job = WorkerJob(
-        source=source_that_shows_its_kernel_settings,
-        device="cpu",
-        dtype=torch.float32,
-        quant=None,
-        max_positions=64,
-        max_context=64,
-        num_blocks=4,
-        block_size=16,
-        threads=1,
-        kernel_settings=chosen,
-    )
+    job = small_job(source_that_shows_its_kernel_settings, kernel_settings=chosen)
     group = TensorParallelGroup.launch(2, job)
     with pytest.raises(RuntimeError, match="rank 1 failed") as failed:
         group.wait_ready()

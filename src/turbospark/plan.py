@@ -2,7 +2,8 @@
 
 Here, and nowhere else, a `ChatRequest` meets the served model's policy (`registry.ServedModel`):
 
-- the model is resolved, and images are refused by name when it has no vision tower;
+- the model is resolved; one that cannot generate (an embedding model: no `ChatModel`) is a 400
+  naming it, and images are refused by name when it has no vision tower;
 - the tool_choice policy holds: `none` drops the tools, `required` needs tools, a named tool must
   be declared;
 - the reasoning effort is resolved: a level the caller named, else one picked from the caller's
@@ -210,6 +211,8 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
     # the model stays loaded while the request (and so its plan and generation) lives
     served = registry.resolve(request.model, holder=request)
     backend = served.backend
+    if not isinstance(backend, ChatModel):  # an `Embedder`, the one other kind served
+        raise invalid(f"model {backend.model_id!r} is an embedding model and cannot chat", "model")
     if backend.vision() is None and request.images():
         # Refused here, by name: a text-only template cannot even render image parts.
         raise invalid(

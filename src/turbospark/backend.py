@@ -69,7 +69,7 @@ class LogitsProcessor(Protocol):
 class GenerationConfig:
     """Everything the decode loop needs, in token ids. Built by `turbospark.plan`."""
 
-    max_new_tokens: int
+    max_new_tokens: int  # as the request asked: `budget` caps it to the context
     stop_token_ids: frozenset[int] = frozenset()
     temperature: float = 1.0
     top_p: float = 1.0
@@ -89,6 +89,16 @@ class GenerationConfig:
     @property
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
+
+    def budget(self, num_prompt_tokens: int, max_context: int) -> int:
+        """How many tokens this generation may make after a prompt of `num_prompt_tokens`:
+        `max_new_tokens`, capped to the room the prompt leaves in a context of `max_context` (0
+        when it fills it). The one place max_tokens meets the context: both token loops (the
+        engine's `Engine.submit`, the sequential `decode.run_decode_loop`) take their bound from
+        here, on the prompt they actually run (images spliced in), and the plan passes a request's
+        max_tokens through. Running into this bound is finish reason "length", never a silent stop.
+        """
+        return min(self.max_new_tokens, max_context - num_prompt_tokens)
 
 
 @dataclass(slots=True, frozen=True)

@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from embedding_models import TINY_BERT, bert_tokenizer, reference_bert, write_bert_folder
-from turbospark.backend import NEVER_CANCEL, BackendError, GenerationConfig
+from turbospark.backend import BackendError, ChatModel, Embedder
 from turbospark.engine.embedder import EmbeddingModel, is_encoder_spec, load_embedding_model, read_pooling
 from turbospark.engine.loader import ModelLoadError
 from turbospark.engine.models import build_encoder, build_model, is_encoder
 from turbospark.engine.models.bert import Batch
+from turbospark.registry import model_kinds
 
 ATOL = 1e-5
 TEXTS = [
@@ -143,13 +144,15 @@ def test_limits_and_truncation(folder: Path, ref) -> None:
         model.submit(["cat", []]).result(timeout=30)
 
 
-def test_embedding_model_refuses_to_chat_and_declares_itself(folder: Path) -> None:
+def test_embedding_model_is_an_embedder_and_no_chat_model(folder: Path) -> None:
     model = load_embedding_model(str(folder), progress=False)
-    assert model.supports_embeddings() and model.capabilities == ("embedding",)
+    # it has no completion path at all: a chat request naming it is refused by the plan
+    # (test_embeddings_api.py checks the 400 in each API's envelope)
+    assert isinstance(model, Embedder) and not isinstance(model, ChatModel)
+    assert not hasattr(model, "run_completion") and not hasattr(model, "submit_completion")
+    assert model_kinds(model) == ["embedding"]
     assert model.aliases() == []  # no claude-turbospark-* alias: it is no chat model
     assert model.dimensions == TINY_BERT["hidden_size"] and model.max_context == 64
-    with pytest.raises(BackendError, match="model 'tiny-bert' is an embedding model and cannot chat"):
-        model.run_completion([2, 3], GenerationConfig(max_new_tokens=4), None, NEVER_CANCEL, lambda t: None)
     assert is_encoder_spec(str(folder)) and not is_encoder_spec(str(folder / "missing"))
 
 

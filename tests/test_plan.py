@@ -11,7 +11,9 @@ from turbospark.api import openai as openai_api
 from turbospark.api import responses as responses_api
 from turbospark.backend import (
     BUILTIN_SAMPLING,
+    NEVER_CANCEL,
     NO_SAMPLING_DEFAULTS,
+    FinishReason,
     GenerationConfig,
     ReasoningEffort,
     SamplingDefaults,
@@ -95,11 +97,25 @@ def test_tool_choice_policy() -> None:
 
 def test_context_is_checked_once_and_max_tokens_capped() -> None:
     p = plan(max_tokens=10_000)
-    assert p.config.max_new_tokens == CONTEXT - len(p.prompt_ids)
+    # the plan passes max_tokens as asked; the one cap is `GenerationConfig.budget`, applied
+    # where the tokens are made
+    assert p.config.max_new_tokens == 10_000
+    assert p.config.budget(len(p.prompt_ids), CONTEXT) == CONTEXT - len(p.prompt_ids)
     assert plan(max_tokens=5).config.max_new_tokens == 5
+    assert plan().config.max_new_tokens == CONTEXT - len(plan().prompt_ids)  # none asked: the room left
     too_long = refusal(messages=[Message("user", "x" * CONTEXT)])
     assert "does not fit" in too_long.message and str(CONTEXT) in too_long.message
     assert "does not fit" in refusal(prefill="y" * CONTEXT).message
+
+
+def test_a_max_tokens_beyond_the_context_runs_to_the_context_and_says_length() -> None:
+    reg = ModelRegistry()
+    backend = ScriptedChatModel(["z" * 200], max_context=64)
+    reg.add(backend)
+    p = make_plan(ChatRequest(model="scripted", messages=[Message("user", "hi")], max_tokens=10_000), reg)
+    result = backend.run_completion(p.prompt_ids, p.config, None, NEVER_CANCEL, lambda e: None)
+    assert len(result.token_ids) == 64 - len(p.prompt_ids) > 0
+    assert result.finish_reason is FinishReason.LENGTH
 
 
 def test_served_model_names_include_the_claude_code_alias() -> None:

@@ -1,16 +1,31 @@
-"""The backend protocol a request is served from, and what crosses it.
+"""The backend protocols a request is served from, and what crosses them.
 
-A backend (`ChatModel`) turns prompt token ids into generated token ids. It knows nothing of
-HTTP, chat messages, stop strings, reasoning or tool calls: those live above it (see
-`turbospark.output`). Two implementations ship: `turbospark.scripted.ScriptedChatModel`
-(replays fixed logits, so tests can prove envelopes byte for byte) and the PyTorch engine's
-`turbospark.engine.backend.RealChatModel`.
+A backend is what the registry serves under a model's names. Every one is a `Backend`: the
+model facts the registry and the listings read (id, tokenizer, vocabulary, context, aliases,
+`details()`). What it does on top says which requests it answers: the registry, the listings,
+the plan and the embedding routes decide by that kind (`isinstance` against these
+runtime-checkable protocols; there is no capability flag to keep in step with it):
 
-`run_completion` is blocking and is called from a worker thread, never from the event loop. A
-backend whose engine has its own thread (the PyTorch engine) also offers `submit_completion`:
-the same generation queued without a waiting thread, its tokens posted to the event loop.
-Images, their encoding and the decode happen inside that one call (never two locked steps), so
-a second request cannot slip between a picture's injection and its decode.
+- a `ChatModel` generates: it turns prompt token ids into generated token ids
+  (`run_completion`, `submit_completion`), and says whether it reads images (`vision()`) and
+  which sampler settings it recommends (`sampling_defaults()`). It knows nothing of HTTP, chat
+  messages, stop strings, reasoning or tool calls: those live above it (see `turbospark.output`).
+  Two ship: `turbospark.scripted.ScriptedChatModel` (replays fixed logits, so tests can prove
+  envelopes byte for byte) and the PyTorch engine's `turbospark.engine.backend.RealChatModel`.
+- an `Embedder` turns texts into vectors (`encode`): `turbospark.engine.embedder.EmbeddingModel`.
+
+A chat request for an embedder is a 400 from the plan; an embeddings request for a chat model a
+400 from the embedding routes; both name the model.
+
+The completion signature is written once (`Completion`): `run_completion` and
+`submit_completion` differ only in where the tokens go and what comes back. `run_completion` is
+blocking and is called from a worker thread, never from the event loop. A backend whose engine
+has its own thread (the PyTorch engine) also offers a real `submit_completion`: the same
+generation queued without a waiting thread, its tokens posted to the event loop; it returns None
+where it has no such path (`ChatModelDefaults`' answer), and the caller then runs
+`run_completion` on a thread. Images, their encoding and the decode happen inside that one call
+(never two locked steps), so a second request cannot slip between a picture's injection and its
+decode.
 """
 
 from __future__ import annotations
@@ -19,7 +34,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +69,7 @@ class LogitsProcessor(Protocol):
 class GenerationConfig:
     """Everything the decode loop needs, in token ids. Built by `turbospark.plan`."""
 
-    max_new_tokens: int
+    max_new_tokens: int  # as the request asked: `budget` caps it to the context
     stop_token_ids: frozenset[int] = frozenset()
     temperature: float = 1.0
     top_p: float = 1.0
@@ -74,6 +89,16 @@ class GenerationConfig:
     @property
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
+
+    def budget(self, num_prompt_tokens: int, max_context: int) -> int:
+        """How many tokens this generation may make after a prompt of `num_prompt_tokens`:
+        `max_new_tokens`, capped to the room the prompt leaves in a context of `max_context` (0
+        when it fills it). The one place max_tokens meets the context: both token loops (the
+        engine's `Engine.submit`, the sequential `decode.run_decode_loop`) take their bound from
+        here, on the prompt they actually run (images spliced in), and the plan passes a request's
+        max_tokens through. Running into this bound is finish reason "length", never a silent stop.
+        """
+        return min(self.max_new_tokens, max_context - num_prompt_tokens)
 
 
 @dataclass(slots=True, frozen=True)
@@ -215,9 +240,36 @@ class EngineOverloaded(Exception):
         self.retry_after = retry_after
 
 
+_Sink = TypeVar("_Sink", contravariant=True)
+_Result = TypeVar("_Result", covariant=True)
+
+
+class Completion(Protocol[_Sink, _Result]):
+    """The one completion signature: the prompt's token ids, its `GenerationConfig`, its images
+    (None: text only; a model without a vision tower refuses them by name), the cancel flag, and
+    where its tokens go (`_Sink`). `RunCompletion` and `SubmitCompletion` fill in the last two."""
+
+    def __call__(
+        self,
+        prompt_ids: Sequence[int],
+        config: GenerationConfig,
+        images: Sequence[RequestImage] | None,
+        cancel: CancelFlag,
+        sink: _Sink,
+        /,
+    ) -> _Result: ...
+
+
+# Blocking: each token goes to the callback as it is sampled, then the result is returned.
+RunCompletion = Completion[ProgressCallback, CompletionResult]
+# Queues the generation and returns at once (raising what `run_completion` would raise before
+# its first token), its items going to the outbox; None: no such path, run `run_completion`.
+SubmitCompletion = Completion[Outbox, Submission | None]
+
+
 @runtime_checkable
-class ChatModel(Protocol):
-    """What the registry routes a request to. See the module docstring for the contract."""
+class Backend(Protocol):
+    """What the registry serves, whatever the model does: the facts every listing reads."""
 
     @property
     def model_id(self) -> str: ...
@@ -233,68 +285,61 @@ class ChatModel(Protocol):
 
     def aliases(self) -> list[str]: ...
 
-    def vision(self) -> VisionInfo | None: ...
-
     def details(self) -> ModelDetails: ...
+
+
+@runtime_checkable
+class ChatModel(Backend, Protocol):
+    """A backend that generates. See the module docstring for the contract."""
+
+    def vision(self) -> VisionInfo | None: ...
 
     def sampling_defaults(self) -> SamplingDefaults: ...
 
-    def supports_embeddings(self) -> bool: ...
+    # Read-only members of the one `Completion` type, so the signature is not repeated here: a
+    # backend implements each as an ordinary method.
+    @property
+    def run_completion(self) -> RunCompletion: ...
+
+    @property
+    def submit_completion(self) -> SubmitCompletion: ...
+
+
+@runtime_checkable
+class Embedder(Backend, Protocol):
+    """A backend that makes embeddings: one vector per text. The embedding routes use more of
+    it where it offers more (`api.embeddings.BatchEmbedder`: token-id inputs, truncation)."""
 
     def encode(self, texts: Sequence[str]) -> list[list[float]]: ...
 
-    def run_completion(
-        self,
-        prompt_ids: Sequence[int],
-        config: GenerationConfig,
-        images: Sequence[RequestImage] | None,
-        cancel: CancelFlag,
-        on_progress: ProgressCallback,
-    ) -> CompletionResult: ...
-
-    def submit_completion(
-        self,
-        prompt_ids: Sequence[int],
-        config: GenerationConfig,
-        images: Sequence[RequestImage] | None,
-        cancel: CancelFlag,
-        outbox: Outbox,
-    ) -> Submission | None: ...
-
 
 class BackendDefaults:
-    """Mixin with the protocol's defaults, so a backend only writes what differs."""
-
-    model_id: str
+    """Mixin with `Backend`'s defaults, so a backend only writes what differs."""
 
     def aliases(self) -> list[str]:
         return []
 
-    def vision(self) -> VisionInfo | None:
-        return None
-
     def details(self) -> ModelDetails:
         return ModelDetails()
+
+
+class ChatModelDefaults(BackendDefaults):
+    """Mixin with `ChatModel`'s defaults: no vision tower, no sampler recommendation, and no
+    `submit_completion` path (generations run `run_completion` on a thread)."""
+
+    def vision(self) -> VisionInfo | None:
+        return None
 
     def sampling_defaults(self) -> SamplingDefaults:
         """The model's own recommended sampler settings; none unless its files carry some."""
         return SamplingDefaults()
 
-    def supports_embeddings(self) -> bool:
-        return False
+    @property
+    def submit_completion(self) -> SubmitCompletion:
+        """No direct path: a `SubmitCompletion` that answers None to every generation. A backend
+        with one overrides this with an ordinary method."""
+        return _no_submission
 
-    def encode(self, texts: Sequence[str]) -> list[list[float]]:
-        raise BackendError(f"model {self.model_id!r} does not support embeddings")
 
-    def submit_completion(
-        self,
-        prompt_ids: Sequence[int],
-        config: GenerationConfig,
-        images: Sequence[RequestImage] | None,
-        cancel: CancelFlag,
-        outbox: Outbox,
-    ) -> Submission | None:
-        """`run_completion` without a thread blocked in it: queues the generation and returns at
-        once (raising what `run_completion` would raise before its first token), its items going
-        to `outbox`. None: this backend has no such path, and `run_completion` runs on a thread."""
-        return None
+def _no_submission(*args: object) -> None:
+    return None

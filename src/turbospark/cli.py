@@ -11,14 +11,21 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from turbospark import metrics
-from turbospark.backend import NO_SAMPLING_DEFAULTS, ChatModel, ReasoningEffort, SamplingDefaults
+from turbospark.backend import (
+    NO_SAMPLING_DEFAULTS,
+    Backend,
+    ChatModel,
+    Embedder,
+    ReasoningEffort,
+    SamplingDefaults,
+)
 from turbospark.engine import kernel_settings
 from turbospark.engine.scheduler import SchedulerConfig
 from turbospark.engine.speculative import DEFAULT_SPECULATIVE, SpeculativeConfig, parse_speculative
 from turbospark.launch import AGENTS, DEFAULT_DISK_CACHE_GB
 from turbospark.limits import Limits
 from turbospark.ratecontrol import RateControl, parse_thermal_steps, temperature_source
-from turbospark.registry import DEFAULT_KEEP_ALIVE, ModelRegistry, ServedModel, model_kinds
+from turbospark.registry import DEFAULT_KEEP_ALIVE, ModelRegistry, ServedModel
 from turbospark.scripted import DEMO_MAX_CONTEXT, DEMO_REPLY, ScriptedChatModel
 from turbospark.toolcalls.guardrails import GuardrailConfig
 
@@ -51,13 +58,13 @@ def rate_control(args: argparse.Namespace) -> RateControl:
     )
 
 
-def load_model(spec: str, args: argparse.Namespace, rate: RateControl | None = None) -> ChatModel:
+def load_model(spec: str, args: argparse.Namespace, rate: RateControl | None = None) -> Backend:
     if spec == "scripted" or spec.startswith("scripted:"):
         replies = None
         if spec.startswith("scripted:"):
             path = Path(spec.split(":", 1)[1])
             replies = [r for r in path.read_text(encoding="utf-8").split("\n---\n") if r]
-        scripted = ScriptedChatModel(
+        scripted: ChatModel = ScriptedChatModel(
             replies or (DEMO_REPLY,),
             max_context=args.max_context or DEMO_MAX_CONTEXT,
             scheduler=scheduler_config(args),
@@ -72,7 +79,10 @@ def load_model(spec: str, args: argparse.Namespace, rate: RateControl | None = N
             log.info(
                 "%s: embedding models run in one process; --tensor-parallel splits generating ones", spec
             )
-        return load_embedding_model(spec, device=args.device, dtype=args.dtype, max_context=args.max_context)
+        embedder: Embedder = load_embedding_model(
+            spec, device=args.device, dtype=args.dtype, max_context=args.max_context
+        )
+        return embedder
     from turbospark.engine.backend import load_backend
 
     backend: ChatModel = load_backend(
@@ -95,7 +105,7 @@ def load_model(spec: str, args: argparse.Namespace, rate: RateControl | None = N
     return backend
 
 
-def enable_step_profile(backend: ChatModel, args: argparse.Namespace) -> None:
+def enable_step_profile(backend: Backend, args: argparse.Namespace) -> None:
     """--profile-steps N: the backend's engine logs the split of its steps' time every N steps
     (`turbospark.engine.profile`), shown whatever --log-level says."""
     every = getattr(args, "profile_steps", None)
@@ -156,7 +166,7 @@ def served_model(spec: str, args: argparse.Namespace, rate: RateControl | None) 
         # None: the model's own recommendation, else the built-in truncation
         sampling=NO_SAMPLING_DEFAULTS if args.sampling_defaults == "none" else None,
     )
-    if "completion" in model_kinds(backend):
+    if isinstance(backend, ChatModel):
         log.info(
             "%s: unset sampler settings default to %s",
             backend.model_id,
@@ -439,6 +449,9 @@ def chat(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     backend = load_model(args.model or "smollm2", args)
+    if not isinstance(backend, ChatModel):
+        print(f"error: model {backend.model_id!r} is an embedding model and cannot chat", file=sys.stderr)
+        return 2
     effort = ReasoningEffort(args.reasoning) if args.reasoning else None
     return run_chat(
         backend,

@@ -49,7 +49,7 @@ def run_decode_loop(
     logits = producer.prefill(prompt_ids, cancel)
     prefilled = time.perf_counter()
     finish = FinishReason.LENGTH
-    budget = min(config.max_new_tokens, max_context - len(prompt_ids))
+    budget = config.budget(len(prompt_ids), max_context)
     if logits is None:
         finish = FinishReason.CANCELLED
         budget = 0

@@ -2,7 +2,8 @@
 
 Here, and nowhere else, a `ChatRequest` meets the served model's policy (`registry.ServedModel`):
 
-- the model is resolved, and images are refused by name when it has no vision tower;
+- the model is resolved; one that cannot generate (an embedding model: no `ChatModel`) is a 400
+  naming it, and images are refused by name when it has no vision tower;
 - the tool_choice policy holds: `none` drops the tools, `required` needs tools, a named tool must
   be declared;
 - the reasoning effort is resolved: a level the caller named, else one picked from the caller's
@@ -11,7 +12,9 @@ Here, and nowhere else, a `ChatRequest` meets the served model's policy (`regist
   together with thinking asked for is a 400;
 - the default system prompt is added (only when the request has no system or developer message);
 - the chat template is rendered (or a raw prompt taken), the prefill appended, the prompt
-  encoded once and counted against the context (too long is a 400, never a truncation);
+  encoded once and counted against the context (too long is a 400, never a truncation; a
+  max_tokens beyond what the context leaves is capped where the tokens are made, see
+  `GenerationConfig.budget`);
 - the sampler settings are resolved (`resolve_sampling`): a value the request sets is used as
   set; one it leaves unset takes the served model's default (`ServedModel.sampling`: the model's
   generation_config.json or GGUF `general.sampling.*`, else the built-in llama.cpp-like
@@ -210,6 +213,8 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
     # the model stays loaded while the request (and so its plan and generation) lives
     served = registry.resolve(request.model, holder=request)
     backend = served.backend
+    if not isinstance(backend, ChatModel):  # an `Embedder`, the one other kind served
+        raise invalid(f"model {backend.model_id!r} is an embedding model and cannot chat", "model")
     if backend.vision() is None and request.images():
         # Refused here, by name: a text-only template cannot even render image parts.
         raise invalid(
@@ -256,10 +261,10 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
             "messages",
             code="context_length_exceeded",  # OpenAI's code for it, which clients match on
         )
-    room = backend.max_context - num_prompt
-    # A max_tokens beyond the context is capped to what is left; running into that cap is
-    # reported as finish reason "length", never as a silent stop.
-    max_new = room if request.max_tokens is None else min(request.max_tokens, room)
+    # A max_tokens beyond the context is passed as asked: the engine caps it to the room the
+    # prompt leaves (`GenerationConfig.budget`) and reports running into it as finish reason
+    # "length". No max_tokens: as many tokens as the context holds.
+    max_new = backend.max_context - num_prompt if request.max_tokens is None else request.max_tokens
 
     sp = request.sampling
     for token_id in sp.logit_bias:

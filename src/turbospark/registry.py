@@ -3,7 +3,8 @@
 A `ServedModel` is a backend plus the server's policy for it (tool-call guardrails, the default
 system prompt, the default reasoning effort, the sampler settings a request that leaves them
 unset gets), fixed when the server builds it; the backend itself only knows model facts and how
-to run a completion. `turbospark.plan` is the one reader of the policy.
+to run a completion or make embeddings (`turbospark.backend`: a `ChatModel` or an `Embedder`).
+`turbospark.plan` is the one reader of the policy.
 
 An exact id or alias routes; Ollama-style names also resolve with their `:latest` tag dropped.
 Every model that generates is also served as `claude-turbospark-<id>`: Claude Code's gateway
@@ -39,7 +40,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from turbospark.backend import BUILTIN_SAMPLING, ChatModel, ReasoningEffort, SamplingDefaults
+from turbospark.backend import (
+    BUILTIN_SAMPLING,
+    Backend,
+    ChatModel,
+    Embedder,
+    ReasoningEffort,
+    SamplingDefaults,
+)
 from turbospark.errors import ApiError, ErrorKind
 from turbospark.limits import Limits
 from turbospark.toolcalls.guardrails import GuardrailConfig
@@ -53,21 +61,24 @@ CLAUDE_CODE_ALIAS_PREFIX = "claude-turbospark-"
 DEFAULT_KEEP_ALIVE = 300.0  # Ollama's: five minutes after the last request ends
 
 
-def model_kinds(backend: ChatModel) -> list[str]:
-    """What a model serves, for the model listings: "completion" and/or "embedding". A backend
-    may declare it (`capabilities`, as the embedding backend does); else it follows the protocol."""
-    declared = getattr(backend, "capabilities", None)
-    if declared is not None:
-        return list(declared)
-    kinds = ["completion", "embedding"] if backend.supports_embeddings() else ["completion"]
-    return [*kinds, "vision"] if backend.vision() is not None else kinds
+def model_kinds(backend: Backend) -> list[str]:
+    """What a model serves, for the model listings, by its kind: "completion" for a `ChatModel`
+    (and "vision" when it has a vision tower), "embedding" for an `Embedder`."""
+    kinds: list[str] = []
+    if isinstance(backend, ChatModel):
+        kinds.append("completion")
+    if isinstance(backend, Embedder):
+        kinds.append("embedding")
+    if isinstance(backend, ChatModel) and backend.vision() is not None:
+        kinds.append("vision")
+    return kinds
 
 
 @dataclass(slots=True)
 class ServedModel:
     """A backend as this server serves it: the model plus the server's policy for it."""
 
-    backend: ChatModel
+    backend: Backend
     guardrails: GuardrailConfig = field(default_factory=GuardrailConfig)
     default_system: str | None = None  # used only when a request has no system/developer message
     default_reasoning: ReasoningEffort = ReasoningEffort.OFF
@@ -86,7 +97,12 @@ class ServedModel:
 
     def __post_init__(self) -> None:
         if self.sampling is None:
-            self.sampling = self.backend.sampling_defaults().over(BUILTIN_SAMPLING)
+            own = (
+                self.backend.sampling_defaults()
+                if isinstance(self.backend, ChatModel)
+                else SamplingDefaults()
+            )
+            self.sampling = own.over(BUILTIN_SAMPLING)
 
     @property
     def sampling_defaults(self) -> SamplingDefaults:
@@ -105,7 +121,7 @@ class ServedModel:
         names = [self.backend.model_id, *self.backend.aliases()]
         if self.store_name and self.store_name not in names:
             names.append(self.store_name)
-        if "completion" not in model_kinds(self.backend):
+        if not isinstance(self.backend, ChatModel):
             return names
         claude = CLAUDE_CODE_ALIAS_PREFIX + self.backend.model_id
         return names if claude in names else [*names, claude]
@@ -156,7 +172,7 @@ class ModelRegistry:
         self._closed = False
 
     # ---- the loaded models
-    def add(self, model: ChatModel | ServedModel) -> ServedModel:
+    def add(self, model: Backend | ServedModel) -> ServedModel:
         """Serves `model`; a bare backend is served with the default policy."""
         served = model if isinstance(model, ServedModel) else ServedModel(model)
         with self._lock:
@@ -174,7 +190,7 @@ class ModelRegistry:
         with self._lock:
             return list(self._served)
 
-    def backends(self) -> list[ChatModel]:
+    def backends(self) -> list[Backend]:
         return [s.backend for s in self.served()]
 
     def lookup(self, name: str) -> ServedModel | None:

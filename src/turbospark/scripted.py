@@ -29,9 +29,9 @@ import torch
 from tokenizers import decoders, models, pre_tokenizers
 
 from turbospark.backend import (
-    BackendDefaults,
     BackendError,
     CancelFlag,
+    ChatModelDefaults,
     CompletionResult,
     GenerationConfig,
     ProgressCallback,
@@ -130,7 +130,7 @@ class ReplayRunner:
         return StepOutput(logits)
 
 
-class ScriptedChatModel(BackendDefaults):
+class ScriptedChatModel(ChatModelDefaults):
     def __init__(
         self,
         replies: Sequence[str] = (DEMO_REPLY,),

@@ -24,7 +24,7 @@ from types import TracebackType
 import uvicorn
 
 from turbospark.api.common import ServerState
-from turbospark.backend import ChatModel
+from turbospark.backend import Backend
 from turbospark.registry import ModelRegistry
 from turbospark.server import create_app
 
@@ -39,7 +39,7 @@ def free_port() -> int:
 class LiveServer:
     def __init__(
         self,
-        backends: Sequence[ChatModel] | None = None,
+        backends: Sequence[Backend] | None = None,
         *,
         state: ServerState | None = None,
         api_keys: Sequence[str] = (),

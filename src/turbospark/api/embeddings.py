@@ -39,7 +39,7 @@ from starlette.routing import Route
 from turbospark.api import fields as f
 from turbospark.api.common import endpoint, read_json, state_of, until_disconnect
 from turbospark.api.envelopes import ollama_error, openai_error
-from turbospark.backend import BackendError, ChatModel
+from turbospark.backend import Backend, BackendError, Embedder
 from turbospark.errors import ApiError, ErrorKind, invalid
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
@@ -49,7 +49,7 @@ EmbedInput = str | Sequence[int]
 
 @runtime_checkable
 class BatchEmbedder(Protocol):
-    """What a backend offers beyond `ChatModel.encode` (see `turbospark.engine.embedder`)."""
+    """What a backend offers beyond `Embedder.encode` (see `turbospark.engine.embedder`)."""
 
     dimensions: int
 
@@ -61,11 +61,11 @@ class BatchEmbedder(Protocol):
 # ---------------------------------------------------------------- shared
 
 
-def embedding_backend(request: Request, name: str) -> ChatModel:
+def embedding_backend(request: Request, name: str) -> Embedder:
     registry = state_of(request).registry
     backend = registry.resolve(name).backend
-    if not backend.supports_embeddings():
-        able = sorted(b.model_id for b in registry.backends() if b.supports_embeddings())
+    if not isinstance(backend, Embedder):
+        able = sorted(b.model_id for b in registry.backends() if isinstance(b, Embedder))
         served = f"; this server embeds with: {', '.join(able)}" if able else "; no model served here embeds"
         raise invalid(
             f"model {backend.model_id!r} is a chat model and cannot create embeddings{served}", "model"
@@ -73,7 +73,7 @@ def embedding_backend(request: Request, name: str) -> ChatModel:
     return backend
 
 
-def check_dimensions(backend: ChatModel, requested: int | None) -> None:
+def check_dimensions(backend: Backend, requested: int | None) -> None:
     size = int(getattr(backend, "dimensions", 0) or 0)
     if requested is None or requested == size:
         return
@@ -93,7 +93,7 @@ def _as_api_error(exc: BackendError, param: str) -> ApiError:
 
 
 async def embed(
-    request: Request, backend: ChatModel, inputs: list[EmbedInput], *, truncate: bool, hint: str, param: str
+    request: Request, backend: Embedder, inputs: list[EmbedInput], *, truncate: bool, hint: str, param: str
 ) -> tuple[np.ndarray, int]:
     """(vectors (n, dim) float32, tokens run) for a request's inputs; bad input is a 400."""
     try:

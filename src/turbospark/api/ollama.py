@@ -51,7 +51,7 @@ from turbospark.api.kit import (
     tool_arguments,
 )
 from turbospark.api.parsing import parse_function_tools, parse_tool_calls
-from turbospark.backend import ChatModel, ReasoningEffort
+from turbospark.backend import Backend, ChatModel, Embedder, ReasoningEffort
 from turbospark.chat_template import CHATML_TEMPLATE
 from turbospark.errors import ApiError, ErrorKind, invalid
 from turbospark.events import Finish, ReasoningDelta, TextDelta, TokenLogprob, ToolCallArgs, ToolCallStart
@@ -503,7 +503,7 @@ def _parameter_size(num: int) -> str:
     return str(num)
 
 
-def model_details(backend: ChatModel) -> dict[str, Any]:
+def model_details(backend: Backend) -> dict[str, Any]:
     """Ollama's `details`, from the backend's `ModelDetails` (unknown facts are left empty)."""
     facts = backend.details()
     return {
@@ -520,8 +520,8 @@ def _digest(model_id: str) -> str:
     return hashlib.sha256(model_id.encode()).hexdigest()
 
 
-def capabilities(backend: ChatModel) -> list[str]:
-    if "completion" not in model_kinds(backend):
+def capabilities(backend: Backend) -> list[str]:
+    if not isinstance(backend, ChatModel):
         return model_kinds(backend)  # an embedding model: ["embedding"]
     tokenizer = backend.tokenizer
     template = tokenizer.chat_template or ""
@@ -532,12 +532,12 @@ def capabilities(backend: ChatModel) -> list[str]:
         caps.append("thinking")
     if backend.vision() is not None:
         caps.append("vision")
-    if backend.supports_embeddings():
+    if isinstance(backend, Embedder):
         caps.append("embedding")
     return caps
 
 
-def _listing(backend: ChatModel) -> dict[str, Any]:
+def _listing(backend: Backend) -> dict[str, Any]:
     """The fields /api/tags and /api/ps both list for a model."""
     name = ollama_name(backend.model_id)
     return {
@@ -630,7 +630,7 @@ def _parameters(served: ServedModel) -> str:
         token = tokenizer.id_to_token(token_id)
         if token:
             lines.append(f"stop {orjson.dumps(token).decode()}")
-    if "completion" in model_kinds(backend):
+    if isinstance(backend, ChatModel):
         sampling = served.sampling_defaults
         for name, value in (
             ("temperature", sampling.temperature),

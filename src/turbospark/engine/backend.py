@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from turbospark.backend import (
-    BackendDefaults,
     BackendError,
     CancelFlag,
+    ChatModelDefaults,
     CompletionResult,
     GenerationConfig,
     ModelDetails,
@@ -64,7 +64,7 @@ BLOCK_SIZE = 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class RealChatModel(BackendDefaults):
+class RealChatModel(ChatModelDefaults):
     def __init__(
         self,
         model_id: str,

@@ -1,8 +1,9 @@
 """`EmbeddingModel`: an encoder checkpoint (BERT) served for embeddings.
 
-It keeps the `ChatModel` protocol's model facts, so the registry, /v1/models and the Ollama
-listing treat it like any model; `supports_embeddings()` is True and `run_completion` refuses
-by name (an encoder cannot generate). `capabilities` says what it does for the listings.
+It is an `Embedder` (`turbospark.backend`): it has the model facts every backend has, so the
+registry, /v1/models and the Ollama listings treat it like any model, and `encode`; it is no
+`ChatModel` (an encoder cannot generate), so the listings show it as "embedding" only and a chat
+request naming it is refused by the plan, by name.
 
 Requests reach the model through one small batching queue: the API hands a request's inputs
 to `submit` and awaits the future; a single worker thread takes every request waiting at that
@@ -37,16 +38,7 @@ from prometheus_client import Counter
 from tokenizers import Tokenizer as HFTokenizer
 
 from turbospark import metrics
-from turbospark.backend import (
-    BackendDefaults,
-    BackendError,
-    CancelFlag,
-    CompletionResult,
-    GenerationConfig,
-    ModelDetails,
-    ProgressCallback,
-    RequestImage,
-)
+from turbospark.backend import BackendError, ModelDetails
 from turbospark.engine.loader import ModelLoadError
 from turbospark.tokenizer import Tokenizer
 
@@ -154,10 +146,9 @@ class _Job:
     future: Future[EmbedResult] = field(default_factory=Future)
 
 
-class EmbeddingModel(BackendDefaults):
+class EmbeddingModel:
     """An encoder served for embeddings; see the module docstring."""
 
-    capabilities: tuple[str, ...] = ("embedding",)
     file_format = "safetensors"
     load_seconds = 0.0
 
@@ -206,7 +197,7 @@ class EmbeddingModel(BackendDefaults):
         for outcome in ("ok", "error"):
             EMBEDDING_REQUESTS.labels(model=model_id, outcome=outcome)  # shown at 0
 
-    # ---------------------------------------------------------------- ChatModel facts
+    # ---------------------------------------------------------------- Backend facts
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -233,22 +224,9 @@ class EmbeddingModel(BackendDefaults):
             device=str(self._device),
         )
 
-    def supports_embeddings(self) -> bool:
-        return True
-
     def encode(self, texts: Sequence[str]) -> list[list[float]]:
         vectors: list[list[float]] = self.submit(list(texts)).result().vectors.tolist()
         return vectors
-
-    def run_completion(
-        self,
-        prompt_ids: Sequence[int],
-        config: GenerationConfig,
-        images: Sequence[RequestImage] | None,
-        cancel: CancelFlag,
-        on_progress: ProgressCallback,
-    ) -> CompletionResult:
-        raise BackendError(f"model {self.model_id!r} is an embedding model and cannot chat")
 
     # ---------------------------------------------------------------- embedding
 

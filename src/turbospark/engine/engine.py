@@ -175,7 +175,7 @@ class Engine:
             token_ids=list(prompt_ids),
             num_prompt_tokens=len(prompt_ids),
             config=config,
-            max_new_tokens=min(config.max_new_tokens, self.max_context - len(prompt_ids)),
+            max_new_tokens=config.budget(len(prompt_ids), self.max_context),
             cancel=cancel,
             generator=make_generator(config.seed),
             runner_state=runner_state,

@@ -30,6 +30,8 @@ from turbospark.scripted import DEMO_MAX_CONTEXT, DEMO_REPLY, ScriptedChatModel
 from turbospark.toolcalls.guardrails import GuardrailConfig
 
 log = logging.getLogger("turbospark")
+# CUDA steps that mix prefill and decode replay piecewise graphs (engine/cuda_graphs.py)
+PIECEWISE_GRAPHS = False
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
@@ -99,7 +101,7 @@ def load_model(spec: str, args: argparse.Namespace, rate: RateControl | None = N
         speculative=speculative_config(args),
         disk_cache_gb=disk_cache_gb(args),
         disk_cache_dir=getattr(args, "prefix_cache_dir", None),
-        piecewise_graphs=not getattr(args, "no_piecewise_graphs", False),
+        piecewise_graphs=getattr(args, "piecewise_graphs", PIECEWISE_GRAPHS),
     )
     enable_step_profile(backend, args)
     return backend
@@ -718,10 +720,12 @@ def parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     s.add_argument(
-        "--no-piecewise-graphs",
-        action="store_true",
-        help="CUDA: run steps that mix prefill and decode eagerly instead of replaying each "
-        "layer's work around attention from CUDA graphs (decode steps still replay whole graphs)",
+        "--piecewise-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=PIECEWISE_GRAPHS,
+        help="CUDA: replay each layer's work around its attention from CUDA graphs in steps that "
+        "mix prefill chunks and decodes (off: such steps run eagerly; decode steps replay whole "
+        f"graphs either way). Default: {'on' if PIECEWISE_GRAPHS else 'off'}",
     )
     s.add_argument(
         "--tensor-parallel",

@@ -81,7 +81,7 @@ class RealChatModel(ChatModelDefaults):
         sampling: SamplingDefaults | None = None,
         vision: VisionSpec | None = None,
         speculative: SpeculativeConfig | None = None,
-        piecewise_graphs: bool = True,
+        piecewise_graphs: bool = False,
     ) -> None:
         """`vision`: how this model reads images (None: it refuses them). `num_kv_blocks` sizes
         the KV cache (default: one full context per running sequence,
@@ -313,14 +313,15 @@ def load_backend(
     speculative: SpeculativeConfig | None = None,
     disk_cache_gb: float = 0.0,
     disk_cache_dir: str | None = None,
-    piecewise_graphs: bool = True,
+    piecewise_graphs: bool = False,
 ) -> RealChatModel:
     """Loads a checkpoint (path, hub-cache id or bundled name) and returns its backend.
 
     `disk_cache_gb` > 0 keeps the prefix cache's blocks on disk too, up to that size (under
     `disk_cache_dir`, default the cache folder's prefix-cache/), so a restarted server reads a
-    prompt it computed before (`engine/disk_cache.py`; one process only). `piecewise_graphs`
-    off: on CUDA only decode steps replay graphs (`engine/cuda_graphs.py`).
+    prompt it computed before (`engine/disk_cache.py`; one process only). `piecewise_graphs`:
+    on CUDA, steps that mix prefill and decode replay piecewise graphs too, not only decode
+    steps (`engine/cuda_graphs.py`).
 
     The context is the model's own, bounded by the KV cache (`kv_cache_gb`, default
     `default_kv_cache_bytes`; `kv_cache_dtype` as `resolve_kv_dtype`) and by `max_context`

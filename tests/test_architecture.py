@@ -78,6 +78,38 @@ def test_the_backend_side_sees_token_ids_only(name: str) -> None:
     assert not {m for m in imports_of(name) if m.startswith(ABOVE_TOKENS)}
 
 
+# The layers and the model families: they run kernels through the ops object their model gets at
+# load (`engine/ops.py`) and choose none themselves.
+MODEL_CODE = [n for n in MODULES if n.startswith("turbospark.engine.models")] + ["turbospark.engine.layers"]
+# Where kernels are chosen or their availability known; model code reaches them only through ops.
+KERNEL_CHOOSERS = {
+    "turbospark.engine.cuda_ops",
+    "turbospark.engine.triton_kernels",
+    "turbospark.engine.cuda_attention",
+    "turbospark.engine.native",
+    "turbospark.engine.cpu_kernels",
+    "turbospark.engine.row_kernels",
+    "turbospark.handoff",
+}
+
+
+def test_the_model_code_is_found() -> None:
+    assert {"turbospark.engine.models.base", "turbospark.engine.models.llama"} <= set(MODEL_CODE)
+    assert set(MODULES) >= KERNEL_CHOOSERS
+
+
+@pytest.mark.parametrize("name", MODEL_CODE)
+def test_model_code_chooses_no_kernel(name: str) -> None:
+    """No model file (nor `layers.py`) imports a kernel module or asks a tensor's device: a
+    kernel is a method of the device's ops (`engine/ops.py`), picked once when the model is built."""
+    assert not imports_of(name) & KERNEL_CHOOSERS, f"{name} imports {imports_of(name) & KERNEL_CHOOSERS}"
+    device_tests = {n.attr for n in ast.walk(TREES[name]) if isinstance(n, ast.Attribute)} & {
+        "is_cuda",
+        "is_cpu",
+    }
+    assert not device_tests, f"{name} reads {device_tests}: ask its ops instead"
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One import circle of `graph` (module -> the modules it imports), as a path back to its start."""
     state: dict[str, int] = {}

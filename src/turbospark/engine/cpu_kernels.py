@@ -192,16 +192,17 @@ def cpu_kernels() -> CpuKernels:
 def native_kernels_for(x: torch.Tensor) -> native.Kernels | None:
     """The native kernels when this profile runs them and they take this activation: float32 on
     the CPU, at most `native.MAX_ROWS` rows (a decode step's; any number in a role-planned
-    forward, `row_kernels`: these kernels treat each row alone), else None. Called for every
-    norm, rotary and MLP of a decode step."""
+    forward, `row_kernels`: these kernels treat each row alone), else None. The layers' norms,
+    rotary and SiLU * up test the same in `ops.NativeCpuOps`; attention asks here."""
     if x.dtype is not torch.float32 or not x.is_cpu:
         return None
     if x.shape[0] > native.MAX_ROWS and row_kernels.role() is None:
         return None
-    return _native_enabled()
+    return native_kernels()
 
 
 @functools.cache
-def _native_enabled() -> native.Kernels | None:
-    """The kernels where this process's profile runs them (fixed for the process)."""
+def native_kernels() -> native.Kernels | None:
+    """The kernels where this process's profile runs them (fixed for the process): what a CPU
+    model's ops are picked by (`ops.ops_for`)."""
     return native.kernels() if cpu_kernels().native_rows else None

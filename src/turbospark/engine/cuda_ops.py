@@ -1,10 +1,10 @@
 """Fused CUDA versions of the layers' small ops, one Triton launch each.
 
-`turbospark.engine.layers` and `turbospark.engine.models.base` call these for CUDA tensors and
-keep their plain torch code for every other device, so the model code is the same everywhere. On
-a decode step of a small model each op is a few microseconds of launch and tail; fusing residual
-add + RMSNorm, the rotary embedding's three elementwise kernels, and SiLU * up removes five
-launches per layer.
+A CUDA model's layers reach these through its ops (`turbospark.engine.ops.CudaOps`, picked
+when the model is built); other devices' ops keep other kernels, so the model code is the same
+everywhere. On a decode step of a small model each op is a few microseconds of launch and tail;
+fusing residual add + RMSNorm, the rotary embedding's three elementwise kernels, and SiLU * up
+removes five launches per layer.
 
 Small batches (at most `GEMV_MAX_ROWS` rows, the decode steps of 1..4 sequences) also take
 matmul kernels of our own (`gemv`, `gate_up_silu`, `qkv_rotary`): at M = 1 a library matmul of a

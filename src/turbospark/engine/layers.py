@@ -5,6 +5,10 @@ along one flat token axis (`num_tokens`), and `AttentionMetadata` says which tok
 which sequence, where their keys/values go in the paged KV cache and which cached slots each
 sequence attends to. The metadata is built once per step by the runner and passed down as an
 argument; nothing here keeps per-step state.
+
+Which kernel runs a norm, a linear, the rotary or SiLU * up is not decided here: each such
+module calls its `ops` (`turbospark.engine.ops`), which `build_model` sets to its device's once
+the model is built (torch's reference until then).
 """
 
 from __future__ import annotations
@@ -17,41 +21,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from turbospark.engine import cuda_ops, native, row_kernels
-from turbospark.engine.cpu_kernels import native_kernels_for
+from turbospark.engine.ops import REFERENCE, Ops
 
 
 class RMSNorm(nn.Module):
+    ops: Ops = REFERENCE
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and cuda_ops.supports_rows(x):
-            return cuda_ops.rms_norm(x, self.weight, self.eps)[0]
-        kernels = self._native(x)
-        if kernels is not None:  # a decode step on the CPU: one call instead of about ten ops
-            return kernels.rms_norm(x, self.weight, self.eps)[0]
-        # the fused kernel accumulates in float32 for bf16 inputs
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-    def _native(self, x: torch.Tensor) -> native.Kernels | None:
-        return native_kernels_for(x) if self.weight.dtype == torch.float32 else None
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual stream's add fused with the norm."""
-        if x.is_cuda and cuda_ops.supports_rows(x) and cuda_ops.supports_rows(residual):
-            out, summed = cuda_ops.rms_norm(x, self.weight, self.eps, residual)
-            assert summed is not None
-            return out, summed
-        kernels = self._native(x)
-        if kernels is not None and residual.dtype == torch.float32:
-            out, summed = kernels.rms_norm(x, self.weight, self.eps, residual)
-            assert summed is not None
-            return out, summed
-        summed = x + residual
-        return F.rms_norm(summed, (summed.shape[-1],), self.weight, self.eps), summed
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Embedding(nn.Module):
@@ -74,6 +60,8 @@ class Linear(nn.Module):
     `turbospark.engine.quant` swaps these for int8 / int4 versions after loading.
     """
 
+    ops: Ops = REFERENCE
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features = in_features
@@ -82,11 +70,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and cuda_ops.use_gemv(x, self.weight):
-            return cuda_ops.gemv(x, self.weight, self.bias)  # decode at batch 1..4
-        if row_kernels.role() is not None and x.is_cpu:
-            return row_kernels.dense_linear(x, self.weight, self.bias)  # rows padded: row-invariant
-        return F.linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight, self.bias)
 
 
 PrepareLinear = Callable[[nn.Module, str], nn.Module]
@@ -152,26 +136,6 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # (num_tokens, 1, head_dim) each, broadcasting over heads
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (num_tokens, num_heads, head_dim) in the Hugging Face "rotate half" layout."""
-    if x.is_cuda and cuda_ops.supports_rotary(x):
-        return cuda_ops.rotary(x, cos, sin)
-    kernels = native_kernels_for(x)
-    if kernels is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.dtype == torch.float32:
-        return kernels.rotary(x, cos, sin)
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
-
-
-def silu_and_mul(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
-    """silu(gate) * up for gate_up (num_tokens, 2 * intermediate_size), the gated MLP's middle."""
-    if gate_up.is_cuda and cuda_ops.supports_rows(gate_up):
-        return cuda_ops.silu_mul(gate_up, intermediate_size)
-    kernels = native_kernels_for(gate_up)
-    if kernels is not None:
-        return kernels.silu_mul(gate_up, intermediate_size)
-    return F.silu(gate_up[..., :intermediate_size]) * gate_up[..., intermediate_size:]
 
 
 def load_weights(

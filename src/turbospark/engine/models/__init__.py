@@ -4,7 +4,9 @@ Adding a family is adding one file `<model_type>.py` here that defines `ModelCon
 `from_dict`) and `CausalLM(config, max_positions)` with `checkpoint_names()`, `finalize(prepare)` and
 `forward(input_ids, positions, meta, kv_cache) -> logits (num_seqs, vocab)`; `base` holds all of
 that for the usual decoder, so a family file is its layer code. The registry is the set of
-modules in this package (less `base`), so nothing else needs editing.
+modules in this package (less `base`), so nothing else needs editing. Family code picks no
+kernel and tests no tensor's device: `build_model` hands its modules the device's ops
+(`turbospark.engine.ops`) once the model is built.
 
 An encoder family (`bert`, for embeddings) defines `EncoderModel(config)` instead of `CausalLM`;
 `build_encoder` builds it and `build_model` refuses it by name.
@@ -24,6 +26,7 @@ from turbospark.engine import tensor_parallel
 from turbospark.engine.attention import AttentionMetadata
 from turbospark.engine.kv_cache import KVCache
 from turbospark.engine.layers import PrepareLinear, load_weights
+from turbospark.engine.ops import ops_for, use_ops
 from turbospark.engine.tensor_parallel import Shard
 
 _NOT_FAMILIES = {"base"}  # shared code, not a model_type
@@ -140,6 +143,8 @@ def build_model(
     model.finalize(prepare)
     if shard is not None:
         tensor_parallel.wrap_parallel(model, shard)
+    # the kernels of `device`, picked once: the layers' linears and norms are final now
+    use_ops(model, ops_for(device))
     model.eval()
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     assert not left, f"never loaded: {left}"
@@ -174,5 +179,6 @@ def build_encoder(
     load_weights(model, names, tensors, device, dtype, dtype)
     model.dtype = dtype
     model.finalize(lambda linear, role: linear)
+    use_ops(model, ops_for(device))
     model.eval()
     return model

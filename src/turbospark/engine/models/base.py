@@ -12,12 +12,16 @@ same way as the others: `ModelConfig` (a `BaseConfig` with the family's extra fi
 - `CausalLM`: `checkpoint_names`, `finalize` (tie, fuse, quantize layer by layer) and the
   forward over the layers, which is where the engine's per-step speed is won or lost.
 
+Kernels are not chosen here: every module runs its norms, rotary, SiLU * up and fusions
+through its `ops` (`turbospark.engine.ops`), the object `build_model` picked for the model's
+device. The layer code asks it whether a step takes a fusion (`takes_qkv_rotary`, ...) and
+never what device a tensor is on.
+
 Attribute names equal the Hugging Face weight names, so a checkpoint loads without a mapping.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, Self
@@ -25,7 +29,6 @@ from typing import Any, Self
 import torch
 from torch import nn
 
-from turbospark.engine import cuda_ops, row_kernels
 from turbospark.engine.attention import AttentionMetadata
 from turbospark.engine.kv_cache import KVCache, LayerCache
 from turbospark.engine.layers import (
@@ -34,10 +37,9 @@ from turbospark.engine.layers import (
     PrepareLinear,
     RMSNorm,
     RotaryEmbedding,
-    apply_rotary,
     fuse_linears,
-    silu_and_mul,
 )
+from turbospark.engine.ops import REFERENCE, Norm, Ops
 
 
 @dataclass(slots=True)
@@ -80,6 +82,8 @@ class BaseConfig:
 
 
 class Attention(nn.Module):
+    ops: Ops = REFERENCE
+
     def __init__(self, config: BaseConfig, *, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -103,19 +107,18 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """qk: (num_tokens, num_heads + num_kv_heads, head_dim) -> rotated q, k."""
         # q and k rotate together: one set of elementwise ops instead of two
-        qk = apply_rotary(qk, *rope)
+        qk = self.ops.rotary(qk, *rope)
         return qk[:, : self.num_heads], qk[:, self.num_heads :]
 
     def fused_qkv_weight(self, x: torch.Tensor) -> Linear | None:
-        """The q/k/v projection when this step takes the fused small-batch kernel (projection,
-        bias and rotary in one launch: a CUDA decode batch of a few rows, no q/k norms)."""
+        """The q/k/v projection when this step takes the fused kernel (projection, bias and
+        rotary in one launch: `ops.takes_qkv_rotary`, on CUDA a decode batch of a few rows), for
+        a float projection and no q/k norms."""
         proj = self.qkv_proj
         if (
-            x.is_cuda
+            isinstance(proj, Linear)
             and type(self).rotate_qk is Attention.rotate_qk
-            and isinstance(proj, Linear)
-            and cuda_ops.supports_qkv_rotary(self.head_dim)
-            and cuda_ops.use_gemv(x, proj.weight)
+            and self.ops.takes_qkv_rotary(x, proj.weight, self.head_dim)
         ):
             return proj
         return None
@@ -126,25 +129,31 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv: LayerCache,
         meta: AttentionMetadata,
-        norm: cuda_ops.Norm | None = None,
+        norm: Norm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """(q, k, v, summed residual) of x (num_tokens, hidden), q and k rotated; `norm` (only
         when `fused_qkv_weight` is not None) runs the layer's input norm inside the kernel. On
-        the fused path with a CUDA cache, k and v are written to their slots by that kernel
-        too, and k comes back None (`attend` then only reads the cache)."""
+        the fused path, where the kernel also writes k and v to their cache slots (a CUDA
+        cache), k comes back None (`attend` then only reads the cache)."""
         num_tokens = x.shape[0]
         rotated = self.num_heads + self.num_kv_heads
         summed = None
         fused = self.fused_qkv_weight(x)
         if fused is not None:
-            store = (
-                (kv.k, kv.v, meta.slot_mapping, self.num_heads) if cuda_ops.stores_kv(kv.backend) else None
-            )
-            qkv, summed = cuda_ops.qkv_rotary(
-                x, fused.weight, fused.bias, *rope, rotated, self.head_dim, norm, store
+            qkv, summed, stored = self.ops.qkv_rotary(
+                x,
+                fused.weight,
+                fused.bias,
+                rope,
+                rotated,
+                self.head_dim,
+                norm,
+                kv,
+                meta.slot_mapping,
+                self.num_heads,
             )
             q = qkv[:, : self.num_heads]
-            k = None if store is not None else qkv[:, self.num_heads : rotated]
+            k = None if stored else qkv[:, self.num_heads : rotated]
         else:
             assert norm is None
             qkv = self.qkv_proj(x).view(num_tokens, rotated + self.num_kv_heads, self.head_dim)
@@ -181,6 +190,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
 
+    ops: Ops = REFERENCE
+
     def __init__(self, config: BaseConfig, *, bias: bool = False) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
@@ -196,23 +207,22 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def fused_gate_up_weight(self, x: torch.Tensor) -> Linear | None:
-        """The gate/up projection when this step takes the fused small-batch kernel (both
-        projections and silu * up in one launch: a CUDA decode batch of a few rows)."""
+        """The gate/up projection when this step takes the fused kernel (both projections and
+        silu * up in one launch: `ops.takes_gate_up_silu`, on CUDA a decode batch of a few
+        rows), for a float projection."""
         proj = self.gate_up_proj
-        if x.is_cuda and isinstance(proj, Linear) and cuda_ops.use_gemv(x, proj.weight):
+        if isinstance(proj, Linear) and self.ops.takes_gate_up_silu(x, proj.weight):
             return proj
         return None
 
-    def gated(
-        self, x: torch.Tensor, norm: cuda_ops.Norm | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def gated(self, x: torch.Tensor, norm: Norm | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(silu(gate(x)) * up(x), summed residual); `norm` as in `Attention.project`."""
         fused = self.fused_gate_up_weight(x)
         if fused is not None:
-            return cuda_ops.gate_up_silu(x, fused.weight, fused.bias, norm)
+            return self.ops.gate_up_silu(x, fused.weight, fused.bias, norm)
         assert norm is None
-        # gate_up: (num_tokens, 2 * inter); one fused kernel on CUDA
-        return silu_and_mul(self.gate_up_proj(x), self.intermediate_size), None
+        # gate_up: (num_tokens, 2 * inter)
+        return self.ops.silu_mul(self.gate_up_proj(x), self.intermediate_size), None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gated(x)[0])  # type: ignore[no-any-return]
@@ -221,6 +231,8 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: h + attn(norm(h)), then h + mlp(norm(h)), with the hidden state
     carried as (x, residual) so each residual add is fused into the norm after it."""
+
+    ops: Ops = REFERENCE
 
     def __init__(self, config: BaseConfig, self_attn: Attention, mlp: MLP) -> None:
         super().__init__()
@@ -256,11 +268,12 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Residual add, input norm and the rotated q/k/v projection: (q, k, v, residual).
 
-        On small CUDA decode batches the norm runs inside the fused projection (`cuda_ops.Norm`),
-        where the row fits one tile, and k comes back None when that kernel stored k/v already."""
+        Where the step takes the fused projection (on CUDA small decode batches) the norm runs
+        inside it (`Norm`) if the ops say it fits (`fuses_norm`: the row is one tile), and k comes
+        back None when that kernel stored k/v already."""
         attn = self.self_attn
-        if (w := attn.fused_qkv_weight(x)) is not None and cuda_ops.fuses_norm(x.shape[1], w.weight):
-            norm = cuda_ops.Norm(self.input_layernorm.weight, self.input_layernorm.eps, residual)
+        if (w := attn.fused_qkv_weight(x)) is not None and self.ops.fuses_norm(x.shape[1], w.weight):
+            norm = Norm(self.input_layernorm.weight, self.input_layernorm.eps, residual)
             q, k, v, summed = attn.project(x, rope, kv, meta, norm)
             return q, k, v, summed if summed is not None else x
         if residual is None:
@@ -277,8 +290,8 @@ class DecoderLayer(nn.Module):
         mlp = self.mlp
         x = self.self_attn.o_proj(attended)
         post = self.post_attention_layernorm
-        if (w := mlp.fused_gate_up_weight(x)) is not None and cuda_ops.fuses_norm(x.shape[1], w.weight):
-            act, summed = mlp.gated(x, cuda_ops.Norm(post.weight, post.eps, residual))
+        if (w := mlp.fused_gate_up_weight(x)) is not None and self.ops.fuses_norm(x.shape[1], w.weight):
+            act, summed = mlp.gated(x, Norm(post.weight, post.eps, residual))
             assert summed is not None
             return mlp.down_proj(act), summed
         x, residual = post.add_norm(x, residual)
@@ -297,6 +310,8 @@ class Model(nn.Module):
 
 class CausalLM(nn.Module):
     """Embeddings, the family's layers, final norm and lm_head; a family passes its layer class."""
+
+    ops: Ops = REFERENCE
 
     def __init__(self, config: Any, max_positions: int, layer_cls: Callable[[Any], DecoderLayer]) -> None:
         super().__init__()
@@ -337,7 +352,7 @@ class CausalLM(nn.Module):
         runner's strategies.)
 
         Under a row role (`engine/row_kernels.py`: the runner runs a CPU step's decode and prompt
-        rows apart, each under its role) the lm_head's rows run as decode rows."""
+        rows apart, each under its role) the lm_head's rows run as decode rows (`ops.head_rows`)."""
         x = self.model.embed_tokens(input_ids)  # (num_tokens, hidden)
         if embeds is not None:
             x.index_copy_(0, embeds[0], embeds[1].to(x.dtype))
@@ -354,7 +369,5 @@ class CausalLM(nn.Module):
         if last.shape[0] != x.shape[0]:  # else one token per sequence (decodes): all are last
             x, residual = x[last], residual[last]
         h, _ = self.model.norm.add_norm(x, residual)  # (num_seqs, hidden)
-        # the lm_head's rows (one per sampling sequence) always run as decode rows
-        head_role = None if row_kernels.role() is None else row_kernels.rows_as("decode")
-        with head_role or contextlib.nullcontext():
+        with self.ops.head_rows():  # the lm_head's rows: one per sampling sequence
             return self.lm_head(h).float()  # type: ignore[no-any-return]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from turbospark.engine.layers import RMSNorm, apply_rotary
+from turbospark.engine.layers import RMSNorm
 from turbospark.engine.models import base
 
 
@@ -32,8 +32,8 @@ class Attention(base.Attention):
     def rotate_qk(
         self, qk: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        q = apply_rotary(self.q_norm(qk[:, : self.num_heads]), *rope)
-        k = apply_rotary(self.k_norm(qk[:, self.num_heads :]), *rope)
+        q = self.ops.rotary(self.q_norm(qk[:, : self.num_heads]), *rope)
+        k = self.ops.rotary(self.k_norm(qk[:, self.num_heads :]), *rope)
         return q, k
 
 

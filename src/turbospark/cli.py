@@ -31,7 +31,7 @@ from turbospark.toolcalls.guardrails import GuardrailConfig
 
 log = logging.getLogger("turbospark")
 # CUDA steps that mix prefill and decode replay piecewise graphs (engine/cuda_graphs.py)
-PIECEWISE_GRAPHS = False
+PIECEWISE_GRAPHS = True
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:

@@ -81,7 +81,7 @@ class RealChatModel(ChatModelDefaults):
         sampling: SamplingDefaults | None = None,
         vision: VisionSpec | None = None,
         speculative: SpeculativeConfig | None = None,
-        piecewise_graphs: bool = False,
+        piecewise_graphs: bool = True,
     ) -> None:
         """`vision`: how this model reads images (None: it refuses them). `num_kv_blocks` sizes
         the KV cache (default: one full context per running sequence,
@@ -313,7 +313,7 @@ def load_backend(
     speculative: SpeculativeConfig | None = None,
     disk_cache_gb: float = 0.0,
     disk_cache_dir: str | None = None,
-    piecewise_graphs: bool = False,
+    piecewise_graphs: bool = True,
 ) -> RealChatModel:
     """Loads a checkpoint (path, hub-cache id or bundled name) and returns its backend.
 

@@ -92,14 +92,14 @@ class ModelRunner:
         attention: AttentionBackend | None = None,
         enable_prefix_caching: bool = True,
         cuda_graphs: bool = True,
-        max_step_tokens: int = 0,
+        max_step_tokens: int = 256,
         wakeups: Wakeups = handoff,
     ) -> None:
         """`num_blocks` sizes the KV cache (default: `max_num_seqs` full contexts). On CUDA the
         cache uses the Triton paged kernels (`CudaAttention`) and, unless `cuda_graphs` is off,
         decode steps replay CUDA graphs and other steps of up to `max_step_tokens` tokens (the
-        scheduler's step budget; 0, the default: none) replay piecewise graphs, all captured on
-        the first step."""
+        scheduler's step budget; 0: none) replay piecewise graphs, all captured on the first
+        step."""
         cfg = model.config
         assert max_context <= model.max_positions, "the model's rotary table is shorter than max_context"
         self.model = model

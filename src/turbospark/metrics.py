@@ -113,7 +113,8 @@ TOOL_CALLS = Counter(
 )
 TOOL_CALL_REPAIRS = Counter(
     "turbospark_tool_call_repairs",
-    "Guardrail repairs applied to tool calls, by kind (json, name, schema, arguments_string, unclosed)",
+    "Guardrail repairs applied to tool calls, by kind (json, name, schema, arguments_string, unclosed, "
+    "unwrapped, code_fence, shape, junk_prefix)",
     ["kind"],
     registry=REGISTRY,
 )

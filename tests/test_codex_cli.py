@@ -151,6 +151,7 @@ def launch_codex(
     launch = [sys.executable, "-m", "turbospark", "launch", "codex", "--model", model]
     agent = ["exec", "--json", "--skip-git-repo-check", "-s", "danger-full-access", prompt]
     log = server.log if isinstance(server, ServerProcess) else lambda: ""
+    doing = server.what_it_does if isinstance(server, ServerProcess) else lambda: ""
     try:
         done = subprocess.run(
             [*launch, "--port", str(server.port), "--", *agent],
@@ -169,7 +170,7 @@ def launch_codex(
     except subprocess.TimeoutExpired as late:  # say what the server was doing meanwhile
         shown = (late.stdout or b"")[-3000:]
         pytest.fail(
-            f"codex ran past {timeout:.0f} s; its output: {shown!r}\nthe server log:\n{log()[-5000:]}"
+            f"codex ran past {timeout:.0f} s; its output: {shown!r}\nwhat the server was doing:\n{doing()}"
         )
     return completed(done, log()[-3000:]), done.stderr
 

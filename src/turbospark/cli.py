@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import threading
 from collections.abc import Sequence
@@ -293,6 +295,8 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
+    # `kill -USR1 PID` prints every thread's Python stack to the log: what a stuck server is doing
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     limits = limits_from(args)
     registry = serving_registry(args)
     state = ServerState(registry=registry, api_keys=keys, max_body_bytes=limits.max_body_bytes)

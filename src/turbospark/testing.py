@@ -9,6 +9,7 @@ only a whole process shows (signals, exit status, start-up failures, the server'
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,6 +28,12 @@ from turbospark.api.common import ServerState
 from turbospark.backend import Backend
 from turbospark.registry import ModelRegistry
 from turbospark.server import create_app
+
+# the /metrics series that say what a server is busy with
+IN_FLIGHT_METRICS = re.compile(
+    r"turbospark_(running_sequences|waiting_sequences|engine_steps_total|forward_tokens_total|"
+    r"generation_tokens_total|prompt_tokens_total|requests_total|kv_blocks_used)\b"
+)
 
 
 def free_port() -> int:
@@ -100,6 +107,21 @@ class ServerProcess:
 
     def log(self) -> str:
         return Path(self._log.name).read_text(encoding="utf-8", errors="replace")
+
+    def what_it_does(self, tail: int = 8000) -> str:
+        """For a test that waited too long: the server's metrics of work in flight, then (after
+        SIGUSR1, which `serve` answers by printing every thread's stack) the end of its log."""
+        lines = []
+        try:
+            with urllib.request.urlopen(self.url + "/metrics", timeout=5) as reply:
+                text = reply.read().decode()
+            lines = [line for line in text.splitlines() if IN_FLIGHT_METRICS.match(line)]
+        except OSError as exc:
+            lines = [f"/metrics: {exc}"]
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+        return "\n".join(lines) + "\nthe server log:\n" + self.log()[-tail:]
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout

@@ -14,6 +14,7 @@ from test_engine import prompts, run_all
 from tiny_models import FAMILIES, checkpoint
 
 from turbospark.backend import NEVER_CANCEL, GenerationConfig
+from turbospark.engine import row_kernels
 from turbospark.engine.engine import Engine, StepOutput
 from turbospark.engine.kv_cache import BlockManager
 from turbospark.engine.models import build_model
@@ -309,3 +310,30 @@ def test_speculation_keeps_penalties_logprobs_and_stop_tokens() -> None:
         b = fast_engine.run(requests[-1], stop_config, NEVER_CANCEL, lambda _: None)
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
     assert spec.num_accepted > 0
+
+
+@pytest.mark.skipif(not row_kernels.reproducible(), reason="run with $TURBOSPARK_FAST_NONDETERMINISTIC")
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_greedy_speculation_on_the_quantized_cpu_path_gives_plain_decodings_tokens(quant: str) -> None:
+    """Quantized as the server quantizes (fp16 KV as on an AVX2 CPU, the native kernels where
+    they build): a verification's rows run as the decode rows plain decoding feeds one step at a
+    time (`runner.verify_rows_as_decodes`), so random accept lengths, drafts corrupted anywhere,
+    batching and a verification that starts on the prompt's last token all give the tokens of
+    plain decoding exactly, not merely close logits."""
+    cfg, tensors, _ = checkpoint(FAMILIES["qwen2"], seed=5, init_std=0.3)
+    model = build_model(cfg, tensors, "cpu", torch.float32, quant=quant)
+    requests = prompts(seed=12, num=8)
+    configs = [GenerationConfig(max_new_tokens=25, temperature=0.0) for _ in requests]
+
+    def engine(speculator: Speculator | None) -> Engine:
+        runner = ModelRunner(model, max_context=128, num_blocks=128, block_size=4, kv_dtype=torch.float16)
+        config = SchedulerConfig(max_active=8, max_batched_tokens=32, max_prefill_tokens=32)
+        return Engine(
+            runner, Scheduler(config, runner.block_manager), max_context=128, name="q", speculator=speculator
+        )
+
+    want = [engine(None).run(p, c, NEVER_CANCEL, lambda _: None).token_ids for p, c in zip(requests, configs)]
+    speculator = Speculator(SpeculativeConfig(num_tokens=6, max_batch=16))
+    speculator.proposer = OracleProposer({tuple(p): w for p, w in zip(requests, want, strict=True)}, seed=3)
+    assert run_all(engine(speculator), requests, configs) == want
+    assert 0 < speculator.num_accepted < speculator.num_proposed

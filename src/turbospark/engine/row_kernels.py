@@ -161,13 +161,13 @@ def decode_sequences(query_lens: list[int], seq_lens: list[int], prompt_lens: li
 
 
 def split_step(is_decode: list[bool]) -> list[tuple[Role, list[int]]] | None:
-    """The forwards a step runs as, each (role, its sequences in step order): decodes in groups
-    of `DECODE_GROUP`, then the prompt rows. None when the step is already one of them."""
+    """The forwards a step runs as, each (role, its sequences in step order): the prompt rows,
+    then the decodes in groups of `DECODE_GROUP`. None when the step is already one of them.
+    The order matters where rows of one sequence land in several parts (a verification cut into
+    one-token sequences whose first token is its prompt's last, `runner.verify_rows_as_decodes`):
+    a part's keys are in the cache before a later part attends."""
     decodes = [i for i, d in enumerate(is_decode) if d]
     prompts = [i for i, d in enumerate(is_decode) if not d]
-    parts: list[tuple[Role, list[int]]] = [
-        ("decode", decodes[i : i + DECODE_GROUP]) for i in range(0, len(decodes), DECODE_GROUP)
-    ]
-    if prompts:
-        parts.append(("prompt", prompts))
+    parts: list[tuple[Role, list[int]]] = [("prompt", prompts)] if prompts else []
+    parts += [("decode", decodes[i : i + DECODE_GROUP]) for i in range(0, len(decodes), DECODE_GROUP)]
     return parts if len(parts) > 1 else None

@@ -69,6 +69,37 @@ class StepInputs:
     num_prompt: list[int] | None = None  # each sequence's prompt length (row roles, `row_kernels`)
 
 
+def verify_rows_as_decodes(step: StepInputs) -> StepInputs:
+    """The step with each sequence that verifies drafts (its last token and k drafts, k + 1
+    logits) cut into k + 1 one-token sequences over the same blocks, the j-th with j more tokens
+    cached: the rows a plain decode would have fed one step at a time. On the CPU they then run
+    as decode rows (`row_kernels`): the native kernels, which read a weight once for up to eight
+    rows, so a verification costs about one decode step; and they compute each position as
+    plain decoding does, so greedy speculation gives decoding's tokens bit for bit. Attention
+    sees the same thing either way: a step writes every row's keys before any row attends, and
+    each one-token sequence attends up to its own position. Logits come back in the original
+    order (sample rows ascending, each verifier's positions in order)."""
+    wants = dict(zip(step.sample_rows, step.num_logits, strict=True))
+    if any(c > 1 and c != step.num_new[i] for i, c in wants.items()):
+        return step  # a sequence that feeds more than it verifies: not the shape cut here
+    out = StepInputs(input_ids=step.input_ids, block_tables=[], num_cached=[], num_new=[], sample_rows=[])
+    prompts: list[int] = []
+    for i, (table, cached, new) in enumerate(
+        zip(step.block_tables, step.num_cached, step.num_new, strict=True)
+    ):
+        split = wants.get(i, 1) > 1
+        for j in range(new if split else 1):
+            if i in wants:
+                out.sample_rows.append(len(out.num_new))
+            out.block_tables.append(table)
+            out.num_cached.append(cached + j)
+            out.num_new.append(1 if split else new)
+            if step.num_prompt is not None:
+                prompts.append(step.num_prompt[i])
+    out.num_prompt = prompts if step.num_prompt is not None else None
+    return out
+
+
 @dataclass(slots=True)
 class SequenceState:
     """One sequence's cache ownership on the reference path: its blocks, how many tokens are in."""
@@ -183,6 +214,8 @@ class ModelRunner:
         `num_logits`: sum(num_logits) rows, each verifying sequence's last positions). Each
         strategy releases the held event-loop wake-ups as it enters its long call, where the
         loop's Python runs beside it instead of contending for the GIL."""
+        if step.num_logits and self.device.type == "cpu" and step.embeds is None:
+            step = verify_rows_as_decodes(step)
         meta, positions = build_attention_metadata(
             step.block_tables, step.num_cached, step.num_new, self.kv_cache.block_size, self.device
         )

@@ -332,7 +332,10 @@ def test_greedy_speculation_on_the_quantized_cpu_path_gives_plain_decodings_toke
             runner, Scheduler(config, runner.block_manager), max_context=128, name="q", speculator=speculator
         )
 
-    want = [engine(None).run(p, c, NEVER_CANCEL, lambda _: None).token_ids for p, c in zip(requests, configs)]
+    want = [
+        engine(None).run(p, c, NEVER_CANCEL, lambda _: None).token_ids
+        for p, c in zip(requests, configs, strict=True)
+    ]
     speculator = Speculator(SpeculativeConfig(num_tokens=6, max_batch=16))
     speculator.proposer = OracleProposer({tuple(p): w for p, w in zip(requests, want, strict=True)}, seed=3)
     assert run_all(engine(speculator), requests, configs) == want

@@ -82,6 +82,9 @@ class GenerationConfig:
     seed: int | None = None
     num_top_logprobs: int | None = None  # None: no logprobs; 0: only the chosen token's
     processors: list[LogitsProcessor] = field(default_factory=list)
+    # The loop guard (`sampling.loop_continuation`): when the last `loop_window` generated tokens
+    # repeat one short block, the token that would go round once more is masked. 0: off.
+    loop_window: int = 0
     # Prefix-cache isolation: only sequences with the same salt share cached KV blocks (None is
     # one shared salt). From the body's `cache_salt` and, where keys are configured, the API key.
     cache_salt: str | None = None

@@ -27,7 +27,7 @@ from turbospark.engine.speculative import DEFAULT_SPECULATIVE, SpeculativeConfig
 from turbospark.launch import AGENTS, DEFAULT_DISK_CACHE_GB
 from turbospark.limits import Limits
 from turbospark.ratecontrol import RateControl, parse_thermal_steps, temperature_source
-from turbospark.registry import DEFAULT_KEEP_ALIVE, ModelRegistry, ServedModel
+from turbospark.registry import DEFAULT_KEEP_ALIVE, DEFAULT_LOOP_GUARD, ModelRegistry, ServedModel
 from turbospark.scripted import DEMO_MAX_CONTEXT, DEMO_REPLY, ScriptedChatModel
 from turbospark.toolcalls.guardrails import GuardrailConfig
 
@@ -165,6 +165,7 @@ def served_model(spec: str, args: argparse.Namespace, rate: RateControl | None) 
             enabled=not args.no_guardrails, constrain_calls=not args.no_constrained_calls
         ),
         default_seed=args.seed,
+        loop_guard=args.loop_guard,
         default_system=system,
         default_reasoning=ReasoningEffort(args.reasoning or ReasoningEffort.OFF),
         # None: the model's own recommendation, else the built-in truncation
@@ -623,6 +624,15 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="under tool_choice auto, leave a tool call the model starts unconstrained (default: the "
         "rest of the call is held to a declared tool's name and schema by a grammar)",
+    )
+    s.add_argument(
+        "--loop-guard",
+        type=int,
+        default=DEFAULT_LOOP_GUARD,
+        metavar="TOKENS",
+        help="when a reply has repeated one block of up to 32 tokens for this many tokens, mask the "
+        "token that would repeat it again, so the model leaves the loop (small models get stuck "
+        f"in them, inside tool-call arguments too); 0: off (default {DEFAULT_LOOP_GUARD})",
     )
     s.add_argument(
         "--seed",

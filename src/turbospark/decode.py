@@ -22,7 +22,7 @@ from turbospark.backend import (
     GenerationConfig,
     ProgressCallback,
 )
-from turbospark.sampling import DistinctIds, make_generator, sample
+from turbospark.sampling import DistinctIds, LoopGuard, make_generator, sample
 
 
 class LogitProducer(Protocol):
@@ -46,6 +46,7 @@ def run_decode_loop(
     context = list(prompt_ids)
     generated: list[int] = []
     distinct = DistinctIds()  # the context's distinct ids, grown token by token
+    guard = LoopGuard(config.loop_window)
     logits = producer.prefill(prompt_ids, cancel)
     prefilled = time.perf_counter()
     finish = FinishReason.LENGTH
@@ -58,7 +59,7 @@ def run_decode_loop(
             finish = FinishReason.CANCELLED
             break
         assert logits is not None
-        event = sample(logits, config, generator, context, generated, distinct)
+        event = sample(logits, config, generator, context, generated, distinct, guard)
         if event.token_id in config.stop_token_ids:
             finish = FinishReason.STOP
             break

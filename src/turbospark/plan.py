@@ -286,6 +286,7 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
         frequency_penalty=sp.frequency_penalty,
         logit_bias=dict(sp.logit_bias),
         seed=sp.seed if sp.seed is not None else served.default_seed,
+        loop_window=served.loop_guard,
         num_top_logprobs=(sp.top_logprobs if sp.logprobs else None),
         cache_salt=request.cache_salt,
     )

@@ -74,6 +74,12 @@ def model_kinds(backend: Backend) -> list[str]:
     return kinds
 
 
+# A model that has written one block of up to 32 tokens over and over for this many tokens is
+# stuck, at any temperature: the token that would start the block again is masked, once per
+# loop. `serve --loop-guard 0` turns it off.
+DEFAULT_LOOP_GUARD = 256
+
+
 @dataclass(slots=True)
 class ServedModel:
     """A backend as this server serves it: the model plus the server's policy for it."""
@@ -83,6 +89,8 @@ class ServedModel:
     default_system: str | None = None  # used only when a request has no system/developer message
     default_reasoning: ReasoningEffort = ReasoningEffort.OFF
     default_seed: int | None = None  # used only when a request sets no seed
+    # generated tokens over which an exact loop is broken (`sampling.loop_continuation`); 0: off
+    loop_guard: int = DEFAULT_LOOP_GUARD
     # Every sampler setting a request leaves unset takes its value from here. None (the default):
     # the model's own recommendation (generation_config.json, GGUF general.sampling.*) where it
     # gives one, else `BUILTIN_SAMPLING`; `NO_SAMPLING_DEFAULTS` gives plain temperature sampling.

@@ -98,6 +98,100 @@ def apply_penalties(
     return logits
 
 
+LOOP_MAX_PERIOD = 32  # the longest block the loop guard looks for, in tokens
+LOOP_NGRAM = 8  # while the guard holds, no run of this many tokens may repeat one since the loop
+
+
+def loop_continuation(generated_ids: Sequence[int], window: int) -> int | None:
+    """The token that would extend an exact loop, or None: a loop is the last `window` generated
+    tokens (window > 2 * period) being one block of at most `LOOP_MAX_PERIOD` tokens over and
+    over. Cheap enough for every token: nothing is compared unless the last token occurs among
+    the 32 before it, and a period is checked in full only where the last two tokens repeat."""
+    n = len(generated_ids)
+    if (
+        window <= 2
+        or n < window
+        or generated_ids[n - 1] not in generated_ids[n - 1 - LOOP_MAX_PERIOD : n - 1]
+    ):
+        return None
+    for p in range(1, min(LOOP_MAX_PERIOD, window // 2) + 1):
+        if (
+            generated_ids[n - 1] != generated_ids[n - 1 - p]
+            or generated_ids[n - 2] != generated_ids[n - 2 - p]
+        ):
+            continue
+        if all(generated_ids[i] == generated_ids[i - p] for i in range(n - window + p, n)):
+            return generated_ids[n - p]
+    return None
+
+
+class LoopGuard:
+    """One sequence's loop guard (`GenerationConfig.loop_window`, `serve --loop-guard`).
+
+    Small models fall into loops at any temperature: seen, a 0.5B model writing
+    "require_escalated; " inside a tool call's JSON string until the context ran out (20 minutes
+    on a CPU). When the last `window` generated tokens are one short block over and over
+    (`loop_continuation`), the guard holds for the next `window` tokens: the token that would go
+    round again is masked, and so is every token that would repeat a run of `LOOP_NGRAM` tokens
+    written since the loop began (masking only the exact continuation, the model went round the
+    same words spelled with other tokens: "requirement_escalated; " for another 1,000 tokens).
+    Outside a loop it costs a membership test per token and changes nothing.
+
+    The state is the committed tokens' (the engine's `Sequence` keeps one guard); a
+    verification's positions run on a `copy` that is written back where they are accepted."""
+
+    __slots__ = ("start", "until", "window")
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.start = 0  # where the loop the guard holds against began (generated index)
+        self.until = -1  # the guard holds while fewer tokens than this are generated
+
+    def copy(self) -> LoopGuard:
+        twin = LoopGuard(self.window)
+        twin.start, twin.until = self.start, self.until
+        return twin
+
+    def assign(self, other: LoopGuard) -> None:
+        self.start, self.until = other.start, other.until
+
+    def banned(self, generated_ids: Sequence[int]) -> list[int]:
+        """The tokens masked before the next one is picked (none outside a loop)."""
+        n = len(generated_ids)
+        token = loop_continuation(generated_ids, self.window)
+        if token is not None:
+            if n >= self.until:  # a new loop
+                self.start = n - self.window
+            self.until = n + self.window
+        if n >= self.until:
+            return []
+        out = [] if token is None else [token]
+        key = list(generated_ids[n - LOOP_NGRAM + 1 :])
+        first = key[0] if key else None
+        for i in range(self.start, n - LOOP_NGRAM + 1):
+            if generated_ids[i] == first and list(generated_ids[i : i + LOOP_NGRAM - 1]) == key:
+                out.append(generated_ids[i + LOOP_NGRAM - 1])
+        return sorted(set(out))
+
+    def apply(self, logits: torch.Tensor, generated_ids: Sequence[int]) -> None:
+        """Masks `banned` in logits (vocab,), after every other edit: where that would leave no
+        token allowed (a grammar allows only those), nothing is masked."""
+        banned = self.banned(generated_ids)
+        if not banned:
+            return
+        ids = torch.tensor(banned, dtype=torch.long)
+        kept = logits[ids].clone()
+        logits[ids] = float("-inf")
+        if not bool(torch.isfinite(logits).any()):
+            logits[ids] = kept
+
+
+def guard_of(row: object) -> LoopGuard | None:
+    """A sampling row's loop guard, where its config asks for one."""
+    guard = getattr(row, "loop_guard", None)
+    return guard if isinstance(guard, LoopGuard) and guard.window > 0 else None
+
+
 def filter_logits(logits: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p as -inf masks. Returns scaled logits (vocab,)."""
     logits = logits / max(config.temperature, 1e-5)
@@ -196,22 +290,24 @@ def sample(
     context_ids: Sequence[int],
     generated_ids: Sequence[int],
     distinct: DistinctIds | None = None,
+    guard: LoopGuard | None = None,
 ) -> TokenEvent:
     """Picks the next token from one sequence's raw logits (vocab,).
 
     `context_ids` is prompt + generated (for the repetition penalty); `generated_ids` is the
     generated tail alone (for presence / frequency penalties and processors); `distinct`, kept
-    by the caller across a sequence's tokens, holds the context's distinct ids.
+    by the caller across a sequence's tokens, holds the context's distinct ids; `guard`, kept
+    the same way, is its loop guard.
     """
     num_threads = torch.get_num_threads()
     if num_threads == 1 or logits.device.type != "cpu":
-        return _sample(logits, config, generator, context_ids, generated_ids, distinct)
+        return _sample(logits, config, generator, context_ids, generated_ids, distinct, guard)
     # One intra-op thread (a per-thread setting, restored after): torch splits each op over a
     # 150k vocabulary across its threads, and on a busy 2-core machine every such op waits
     # ~10 ms for a descheduled thread; a t=0.8 draw measured 190 ms on 2 threads, 3 ms on 1.
     torch.set_num_threads(1)
     try:
-        return _sample(logits, config, generator, context_ids, generated_ids, distinct)
+        return _sample(logits, config, generator, context_ids, generated_ids, distinct, guard)
     finally:
         torch.set_num_threads(num_threads)
 
@@ -267,6 +363,9 @@ def _sample_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Tok
                 apply_penalties(logits[i], c, row.token_ids, row.generated_ids, row.distinct_ids)
                 for proc in c.processors:
                     proc(row.generated_ids, logits[i])
+                guard = guard_of(row)
+                if guard is not None:
+                    guard.apply(logits[i], row.generated_ids)
             except Exception as exc:
                 out[i] = exc
     greedy = [i for i, row in enumerate(rows) if row.config.is_greedy and out[i] is None]
@@ -303,7 +402,10 @@ def _edits(row: SamplingRow) -> bool:
     """The row's logits are edited in place before its token is picked."""
     c = row.config
     penalized = c.repetition_penalty != 1.0 or c.presence_penalty or c.frequency_penalty
-    return bool(c.logit_bias or penalized or c.processors)
+    guard = guard_of(row)
+    return bool(
+        c.logit_bias or penalized or c.processors or (guard is not None and guard.banned(row.generated_ids))
+    )
 
 
 def _sample_on_device(
@@ -405,11 +507,14 @@ def _sample(
     context_ids: Sequence[int],
     generated_ids: Sequence[int],
     distinct: DistinctIds | None,
+    guard: LoopGuard | None,
 ) -> TokenEvent:
     logits = logits.detach().to(torch.float32).clone()
     apply_penalties(logits, config, context_ids, generated_ids, distinct)
     for proc in config.processors:
         proc(generated_ids, logits)
+    if guard is not None:
+        guard.apply(logits, generated_ids)
     if config.is_greedy:
         token_id = greedy_ids(logits[None])[0]
     else:

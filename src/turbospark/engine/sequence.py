@@ -26,7 +26,7 @@ from turbospark.backend import (
     Outbox,
     TokenEvent,
 )
-from turbospark.sampling import DistinctIds
+from turbospark.sampling import DistinctIds, LoopGuard
 
 
 class SequenceStatus(Enum):
@@ -69,10 +69,14 @@ class Sequence:
     # TokenEvent ... then CompletionResult or SequenceFailed; the submitter's, or a queue
     outbox: Outbox = field(default_factory=queue.SimpleQueue[object])
     distinct_ids: DistinctIds = field(default_factory=DistinctIds)  # for the repetition penalty
+    loop_guard: LoopGuard = field(init=False)  # `sampling.LoopGuard`, from config.loop_window
     # speculative decoding (`turbospark.engine.speculative`): this step's proposed next tokens
     # (not in token_ids until verified) and the proposer's per-sequence state
     draft_ids: list[int] = field(default_factory=list)
     speculation: Any = None
+
+    def __post_init__(self) -> None:
+        self.loop_guard = LoopGuard(self.config.loop_window)
 
     def cache_ids(self) -> list[int]:
         """The ids the prefix cache keys this sequence's blocks by: its token ids, but where a

@@ -59,12 +59,14 @@ from turbospark.engine.sequence import Sequence as EngineSequence
 from turbospark.engine.sequence import SequenceStatus
 from turbospark.sampling import (
     DistinctIds,
+    LoopGuard,
     SamplingRow,
     _attach_logprobs,
     _edits,
     apply_penalties,
     candidates,
     greedy_ids,
+    guard_of,
     sample_batch,
 )
 
@@ -457,10 +459,23 @@ class _ExtendedDistinct(DistinctIds):
         return torch.cat([head, torch.tensor(extra, dtype=torch.long)]) if extra else head
 
 
+def _guard_bans_within(guard: LoopGuard | None, row: SamplingRow, draft: list[int]) -> bool:
+    """Whether the loop guard masks tokens at some position of this verification (the drafts
+    accepted before a position may complete a loop): then every position is sampled as plain
+    decoding samples it. Asked of a copy of the sequence's guard."""
+    if guard is None or not draft:
+        return False
+    probe = guard.copy()
+    generated = list(row.generated_ids)
+    return any(probe.banned([*generated, *draft[:j]]) for j in range(1, len(draft) + 1))
+
+
 def _verify_one(logits: torch.Tensor, row: SamplingRow, draft: list[int]) -> list[TokenEvent]:
     """The tokens one sequence emits from its (1 + len(draft), vocab) logits."""
     c = row.config
-    edits = _edits(row)
+    base_guard = guard_of(row)
+    guard = base_guard.copy() if base_guard is not None else None
+    edits = _edits(row) or _guard_bans_within(guard, row, draft)
     if c.is_greedy and not edits and c.num_top_logprobs is None:
         return [TokenEvent(token_id=t) for t in accept_greedy(draft, greedy_ids(logits))]
     out: list[TokenEvent] = []
@@ -469,6 +484,8 @@ def _verify_one(logits: torch.Tensor, row: SamplingRow, draft: list[int]) -> lis
         if edits:
             view = _DraftedRow(row, draft[:j])
             apply_penalties(x, c, view.token_ids, view.generated_ids, view.distinct_ids)
+            if guard is not None:
+                guard.apply(x, view.generated_ids)
         if c.is_greedy:
             token = greedy_ids(x[None])[0]
             accepted = j < len(draft) and token == draft[j]
@@ -486,6 +503,8 @@ def _verify_one(logits: torch.Tensor, row: SamplingRow, draft: list[int]) -> lis
         out.append(event)
         if not accepted:
             break
+    if base_guard is not None and guard is not None and edits:
+        base_guard.assign(guard)  # the guard as plain decoding left it after the last position
     return out
 
 

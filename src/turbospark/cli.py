@@ -23,7 +23,7 @@ from turbospark.backend import (
 )
 from turbospark.engine import kernel_settings
 from turbospark.engine.scheduler import SchedulerConfig
-from turbospark.engine.speculative import DEFAULT_SPECULATIVE, SpeculativeConfig, parse_speculative
+from turbospark.engine.speculative import SpeculativeConfig, default_method, parse_speculative
 from turbospark.launch import AGENTS, DEFAULT_DISK_CACHE_GB
 from turbospark.limits import Limits
 from turbospark.ratecontrol import RateControl, parse_thermal_steps, temperature_source
@@ -46,7 +46,7 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     """--speculative and --num-speculative-tokens (`engine.speculative`); None: off. Raises
     ValueError naming a method that does not exist."""
     return parse_speculative(
-        getattr(args, "speculative", None) or DEFAULT_SPECULATIVE,
+        getattr(args, "speculative", None) or default_method(getattr(args, "device", None) or "cpu"),
         getattr(args, "num_speculative_tokens", None),
     )
 
@@ -711,8 +711,8 @@ def parser() -> argparse.ArgumentParser:
         metavar="ngram|suffix|off",
         default=None,
         help="speculative decoding: drafts from n-grams of the sequence's own context (ngram), "
-        f"also from earlier responses (suffix), or off (default: {DEFAULT_SPECULATIVE}; see "
-        "benchmarks/RESULTS.md); greedy output is unchanged",
+        "also from earlier responses (suffix), or off (default: ngram on cpu, off on cuda; see "
+        "benchmarks/RESULTS.md); greedy output is unchanged, seeded sampled requests never speculate",
     )
     s.add_argument(
         "--num-speculative-tokens",

@@ -340,3 +340,32 @@ def test_greedy_speculation_on_the_quantized_cpu_path_gives_plain_decodings_toke
     speculator.proposer = OracleProposer({tuple(p): w for p, w in zip(requests, want, strict=True)}, seed=3)
     assert run_all(engine(speculator), requests, configs) == want
     assert 0 < speculator.num_accepted < speculator.num_proposed
+
+
+class AlwaysProposer:
+    name = "always"
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        return [7] * k
+
+    def finished(self, seq: Sequence) -> None:
+        pass
+
+
+def test_seeded_sampled_requests_never_speculate_unseeded_and_greedy_ones_do() -> None:
+    """A seed must give the same tokens whatever shares the steps; a verification draws its
+    random numbers differently from plain decoding, and whether a step speculates depends on the
+    batch, so a seeded sampled request is never given drafts."""
+    cfg, tensors, _ = checkpoint(FAMILIES["llama"], seed=1, init_std=1.0)
+    model = build_model(cfg, tensors)
+    requests = repetitive_prompts(seed=4, num=2)
+    for config, speculates in (
+        (GenerationConfig(max_new_tokens=30, temperature=0.8, seed=11), False),
+        (GenerationConfig(max_new_tokens=30, temperature=0.8), True),
+        (GenerationConfig(max_new_tokens=30, temperature=0.0, seed=11), True),
+    ):
+        speculator = Speculator(SpeculativeConfig(method="ngram", num_tokens=4))
+        speculator.proposer = AlwaysProposer()  # drafts wherever the engine asks for them
+        engine = spec_engine(model, speculator, num_blocks=128, max_active=4, max_batched_tokens=64)
+        run_all(engine, requests, [config] * len(requests))
+        assert (speculator.num_proposed > 0) is speculates, config

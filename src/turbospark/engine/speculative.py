@@ -71,9 +71,15 @@ from turbospark.sampling import (
 )
 
 METHODS = ("ngram", "suffix", "off")
-# what `serve` runs without --speculative: off until benchmarks/bench_speculative.py shows a
-# win on a measured device (a shared 2-core AVX2 CPU showed 1.01x on the editing set)
-DEFAULT_SPECULATIVE = "off"
+# what `serve` runs without --speculative, per device kind: on the CPU, n-gram drafts verified
+# as decode rows pay 2.0-2.6x on agent-like edits and tool calls and lose nothing measured on free
+# text (benchmarks/RESULTS.md, an AVX2 EPYC); on CUDA not measured since: off
+DEFAULT_SPECULATIVE = {"cpu": "ngram", "cuda": "off"}
+
+
+def default_method(device: str) -> str:
+    """`DEFAULT_SPECULATIVE` for a `--device` value (cpu, cuda, cuda:N)."""
+    return DEFAULT_SPECULATIVE.get(device.split(":")[0], "off")
 
 
 # ---- configuration --------------------------------------------------------------------------
@@ -84,7 +90,7 @@ class SpeculativeConfig:
     """`method`: "ngram" or "suffix"; `num_tokens`: most drafts per sequence and step."""
 
     method: str = "ngram"
-    num_tokens: int = 3  # a 2-core CPU: 4 rows cost ~2.5 decode steps
+    num_tokens: int = 5  # a verification of 6 rows runs as 6 decode rows: about one step's cost
     max_batch: int = 4  # decoding sequences above which a step does not speculate
     min_n: int = 2
     max_n: int = 5
@@ -282,6 +288,14 @@ class SequenceSpeculation:
     accepted: int = 0
 
 
+def _seeded_draws(seq: EngineSequence) -> bool:
+    """A seeded request that samples: its tokens must not depend on what shares its steps, and
+    a verification draws its random numbers differently from plain decoding (rejection sampling),
+    while whether a step speculates depends on how many sequences decode in it. Greedy requests
+    speculate (their tokens are plain decoding's), and so do unseeded ones (nothing to reproduce)."""
+    return seq.config.seed is not None and not seq.config.is_greedy
+
+
 @dataclass
 class Speculator:
     """The engine's side: proposes drafts before the schedule, learns from each verification."""
@@ -305,7 +319,7 @@ class Speculator:
         if len(decoding) > self.config.max_batch:
             return
         for seq in decoding:
-            if seq.config.processors or seq.cancel.is_set():
+            if seq.config.processors or seq.cancel.is_set() or _seeded_draws(seq):
                 continue
             state = seq.speculation
             if not isinstance(state, SequenceSpeculation):

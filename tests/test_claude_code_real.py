@@ -79,6 +79,14 @@ def metric(url: str, name: str) -> float:
     return total
 
 
+def run_or_report(server: ServerProcess, argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """subprocess.run, failing a run past its timeout with what the server was doing."""
+    try:
+        return subprocess.run(argv, **kwargs)
+    except subprocess.TimeoutExpired as late:
+        pytest.fail(f"{argv[:3]} ran past {late.timeout:.0f} s; the server:\n{server.what_it_does()}")
+
+
 def test_claude_code_session_on_qwen_05b_with_default_flags(
     claude: str, server: ServerProcess, tmp_path: Path
 ) -> None:
@@ -90,7 +98,8 @@ def test_claude_code_session_on_qwen_05b_with_default_flags(
     env = claude_env(home, url, "local")
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent / "src")
     started = time.monotonic()
-    done = subprocess.run(
+    done = run_or_report(
+        server,
         [
             *LAUNCH,
             "--model",

@@ -70,8 +70,9 @@ class CudaGraphRunner:
         assert batch_sizes and min(batch_sizes) >= 1
         self.model = model
         # only a decoder with the layer split (`DecoderLayer.before_attention`) replays piecewise
-        split = isinstance(model, CausalLM) and mixed_sizes
-        self.piecewise = PiecewiseGraphs(model, kv_cache, mixed_sizes) if split else None  # type: ignore[arg-type]
+        self.piecewise: PiecewiseGraphs | None = None
+        if isinstance(model, CausalLM) and mixed_sizes:
+            self.piecewise = PiecewiseGraphs(model, kv_cache, mixed_sizes)
         self.kv_cache = kv_cache
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_batch = self.batch_sizes[-1]

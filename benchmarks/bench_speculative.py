@@ -5,7 +5,9 @@ Workloads (greedy, batch 1, the served engine of a pulled model):
 - edit: the model is given a Python file of ~120 lines and asked to return it whole with one
   change (a function renamed), the way an agent re-emits a file it edits;
 - tool: an agent turn whose answer repeats an earlier tool call's JSON with one argument changed;
-- free: free text that does not copy its prompt (a short essay).
+- free: free text that does not copy its prompt (a short essay);
+- translate: a paragraph translated into French, which copies neither the prompt's words nor its
+  own (few drafts match: what speculation costs where it does not pay).
 
 For each workload, speculation off and each proposer run back to back on one loaded model
 (`--rounds` times, round robin, the median kept), so load from other processes hits every mode
@@ -15,6 +17,8 @@ the drafts' acceptance, and whether the greedy text equals off's token for token
     python benchmarks/bench_speculative.py --model qwen2.5-coder:0.5b
     python benchmarks/bench_speculative.py --model qwen2.5-coder:1.5b --max-tokens 400
     python benchmarks/bench_speculative.py --device cuda  # a GPU: extra verify rows nearly free
+    python benchmarks/bench_speculative.py --model qwen2.5-coder:1.5b --modes off,ngram,draft \
+        --draft-model qwen2.5-coder:0.5b
 
 The machine's CPU is shared and noisy: compare ratios within one run only.
 """
@@ -31,6 +35,7 @@ import torch
 
 from turbospark.backend import NEVER_CANCEL, GenerationConfig
 from turbospark.engine.backend import load_backend
+from turbospark.engine.draft import DraftProposer
 from turbospark.engine.speculative import SpeculativeConfig, Speculator
 
 
@@ -112,7 +117,21 @@ def workloads() -> dict[str, str]:
             )
         ],
     )
-    return {"edit": edit, "tool": tool, "free": free}
+    translate = chatml(
+        "You are a helpful assistant.",
+        [
+            (
+                "user",
+                "Translate into French, and answer with the translation only:\n\n"
+                "The harbour master walked along the breakwater every morning before dawn. He "
+                "counted the fishing boats, noted which had not come back, and wrote the weather "
+                "in a ledger his grandfather had started. When the radio tower was built, the "
+                "town council voted to keep the ledger in the library, where children still read "
+                "the entries about storms, lost nets, and the winter the bay froze solid.",
+            )
+        ],
+    )
+    return {"edit": edit, "tool": tool, "free": free, "translate": translate}
 
 
 def main() -> None:
@@ -121,14 +140,25 @@ def main() -> None:
     )
     parser.add_argument("--model", default="qwen2.5-coder:0.5b")
     parser.add_argument("--modes", default="off,ngram,suffix")
-    parser.add_argument("--workloads", default="edit,tool,free")
+    parser.add_argument("--workloads", default="edit,tool,free,translate")
     parser.add_argument("--max-tokens", type=int, default=700)
     parser.add_argument("--num-speculative-tokens", type=int, default=SpeculativeConfig().num_tokens)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--draft-model", default=None, help="mode 'draft' drafts with this model")
     args = parser.parse_args()
 
     backend = load_backend(args.model, device=args.device, progress=False)
+    draft_runner = None
+    if args.draft_model:
+        draft = load_backend(
+            args.draft_model,
+            device=args.device,
+            progress=False,
+            max_context=backend.max_context,
+            kv_sequences=1,
+        )
+        draft_runner = draft.runner
     engine = backend.engine
     tok = backend.tokenizer
     (im_end,) = tok.encode("<|im_end|>")
@@ -149,7 +179,18 @@ def main() -> None:
         for _ in range(args.rounds):
             for mode in modes:
                 speculator = None
-                if mode != "off":
+                if mode == "draft":
+                    assert draft_runner is not None, "mode draft needs --draft-model"
+                    speculator = Speculator(
+                        SpeculativeConfig(
+                            method="draft",
+                            draft_model=args.draft_model,
+                            num_tokens=args.num_speculative_tokens,
+                        ),
+                        model=args.model,
+                    )
+                    speculator.proposer = DraftProposer(draft_runner, max_seqs=1)
+                elif mode != "off":
                     speculator = Speculator(
                         SpeculativeConfig(method=mode, num_tokens=args.num_speculative_tokens),
                         model=args.model,

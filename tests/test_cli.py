@@ -91,7 +91,7 @@ def test_terminal_chat_streams_replies() -> None:
 
 
 @pytest.mark.parametrize(
-    ("value", "says"), [("draft:qwen2.5-coder:0.5b", "not implemented"), ("eagle", "expected one of")]
+    ("value", "says"), [("draft:", "name the draft model"), ("eagle", "expected one of")]
 )
 def test_an_unknown_speculative_method_exits_naming_it(value: str, says: str) -> None:
     proc, _ = spawn("--model", "smollm2", "--speculative", value)

@@ -708,10 +708,11 @@ def parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--speculative",
-        metavar="ngram|suffix|off",
+        metavar="ngram|suffix|draft:MODEL|off",
         default=None,
         help="speculative decoding: drafts from n-grams of the sequence's own context (ngram), "
-        "also from earlier responses (suffix), or off (default: ngram on cpu, off on cuda; see "
+        "also from earlier responses (suffix), from a smaller model of the same tokenizer "
+        "(draft:MODEL, as draft:qwen2.5-coder:0.5b), or off (default: ngram on cpu, off on cuda; see "
         "benchmarks/RESULTS.md); greedy output is unchanged, seeded sampled requests never speculate",
     )
     s.add_argument(

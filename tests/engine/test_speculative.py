@@ -67,8 +67,13 @@ def test_accept_greedy_keeps_drafts_while_they_equal_the_argmax() -> None:
 def test_parse_speculative_refuses_unknown_names() -> None:
     assert parse_speculative("off") is None
     assert parse_speculative("ngram", 3) == SpeculativeConfig(method="ngram", num_tokens=3)
-    with pytest.raises(ValueError, match="draft"):
-        parse_speculative("draft:qwen2.5-coder:0.5b")
+    assert parse_speculative("draft:qwen2.5-coder:0.5b", 4) == SpeculativeConfig(
+        method="draft", draft_model="qwen2.5-coder:0.5b", num_tokens=4
+    )
+    with pytest.raises(ValueError, match="name the draft model"):
+        parse_speculative("draft:")
+    with pytest.raises(ValueError, match="draft model goes with"):
+        SpeculativeConfig(method="ngram", draft_model="x")
     with pytest.raises(ValueError, match="expected one of"):
         parse_speculative("eagle")
 
@@ -226,6 +231,9 @@ class OracleProposer:
     def finished(self, seq: Sequence) -> None:
         pass
 
+    def retain(self, live: object) -> None:
+        pass
+
 
 class CheckingRunner(ModelRunner):
     """Checks, before every forward, that each scheduled sequence holds exactly the blocks its
@@ -349,6 +357,9 @@ class AlwaysProposer:
         return [7] * k
 
     def finished(self, seq: Sequence) -> None:
+        pass
+
+    def retain(self, live: object) -> None:
         pass
 
 

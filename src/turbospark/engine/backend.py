@@ -314,6 +314,7 @@ def load_backend(
     disk_cache_gb: float = 0.0,
     disk_cache_dir: str | None = None,
     piecewise_graphs: bool = True,
+    kv_sequences: int | None = None,
 ) -> RealChatModel:
     """Loads a checkpoint (path, hub-cache id or bundled name) and returns its backend.
 
@@ -366,6 +367,10 @@ def load_backend(
     if torch.device(device).type == "cuda":
         per_token //= tensor_parallel  # each GPU holds its ranks' kv heads in its own memory
     budget = int(kv_cache_gb * 2**30) if kv_cache_gb else default_kv_cache_bytes(device)
+    if kv_sequences:  # room for that many full contexts, no more (a draft model's cache)
+        budget = (
+            per_token * -(-min(max_context or model_max, model_max) // BLOCK_SIZE) * BLOCK_SIZE * kv_sequences
+        )
     num_kv_blocks = max(1, budget // (per_token * BLOCK_SIZE))
     context = min(max_context or model_max, model_max, num_kv_blocks * BLOCK_SIZE)
     if quant == "auto":
@@ -432,6 +437,8 @@ def load_backend(
             speculative=speculative,
             piecewise_graphs=piecewise_graphs,
         )
+        if speculative is not None and speculative.draft_model is not None:
+            attach_draft(backend, speculative.draft_model, device=device, dtype=dtype, quant=quant)
         if disk_cache_gb > 0:
             attach_disk_cache(backend, source, disk_cache_gb, disk_cache_dir)
         return backend
@@ -439,6 +446,50 @@ def load_backend(
         if group is not None:
             group.close()
         raise
+
+
+DRAFT_PROBE = "def main() -> None:\n    print('hello, world')  # ünïcödé, 東京, 🙂\n"
+
+
+def attach_draft(
+    backend: RealChatModel, spec: str, *, device: str, dtype: str | None, quant: str | None
+) -> None:
+    """Loads the draft model of `--speculative draft:MODEL` (same device and numerics, a KV cache
+    for the speculator's `max_batch` sequences) and makes it the engine speculator's proposer.
+    A draft that does not tokenize as the target does is refused by name: its ids would mean
+    other text."""
+    from turbospark.engine.draft import DraftProposer
+
+    speculator = backend.engine.speculator
+    if speculator is None:  # tensor parallelism: no speculation
+        return
+    seqs = speculator.config.max_batch
+    draft = load_backend(
+        spec,
+        device=device,
+        dtype=dtype,
+        quant=quant,
+        progress=False,
+        max_context=backend.max_context,
+        kv_sequences=seqs,
+    )
+    same = draft.vocab_size == backend.vocab_size and draft.tokenizer.encode(
+        DRAFT_PROBE
+    ) == backend.tokenizer.encode(DRAFT_PROBE)
+    if not same:
+        raise ValueError(
+            f"draft model {spec!r} does not tokenize as {backend.model_id!r} does (vocabulary "
+            f"{draft.vocab_size} vs {backend.vocab_size}): a draft model must share the target's tokenizer"
+        )
+    if draft.max_context < backend.max_context:
+        log.info(
+            "%s: the draft model %s drafts up to %d tokens of context",
+            backend.model_id,
+            spec,
+            draft.max_context,
+        )
+    speculator.proposer = DraftProposer(draft.runner, max_seqs=seqs)
+    log.info("%s: speculative drafts from %s", backend.model_id, draft.model_id)
 
 
 def attach_disk_cache(

@@ -90,6 +90,7 @@ class SpeculativeConfig:
     """`method`: "ngram" or "suffix"; `num_tokens`: most drafts per sequence and step."""
 
     method: str = "ngram"
+    draft_model: str | None = None  # method "draft": the model that drafts (same tokenizer)
     num_tokens: int = 5  # a verification of 6 rows runs as 6 decode rows: about one step's cost
     max_batch: int = 4  # decoding sequences above which a step does not speculate
     min_n: int = 2
@@ -98,8 +99,10 @@ class SpeculativeConfig:
     max_backoff: int = 32  # steps a sequence whose drafts all failed waits, at most
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "suffix"):
+        if self.method not in ("ngram", "suffix", "draft"):
             raise ValueError(f"unknown speculative method {self.method!r}")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("a draft model goes with method 'draft' and only with it")
         if self.num_tokens < 1:
             raise ValueError("the number of speculative tokens must be >= 1")
         if not 1 <= self.min_n <= self.max_n:
@@ -107,16 +110,17 @@ class SpeculativeConfig:
 
 
 def parse_speculative(value: str | None, num_tokens: int | None = None) -> SpeculativeConfig | None:
-    """`--speculative` as given: ngram | suffix | off (None); a draft model is refused by name."""
+    """`--speculative` as given: ngram | suffix | draft:MODEL | off (None)."""
     if value is None or value == "off":
         return None
     if value.startswith("draft:"):
-        raise ValueError(
-            f"--speculative {value}: draft-model speculation is not implemented yet; use ngram or suffix"
-        )
-    if value not in METHODS:
-        raise ValueError(f"--speculative {value!r}: expected one of ngram, suffix, off")
-    config = SpeculativeConfig(method=value)
+        if not value[len("draft:") :].strip():
+            raise ValueError(f"--speculative {value!r}: name the draft model, as draft:qwen2.5-coder:0.5b")
+        config = SpeculativeConfig(method="draft", draft_model=value[len("draft:") :].strip())
+    elif value in METHODS:
+        config = SpeculativeConfig(method=value)
+    else:
+        raise ValueError(f"--speculative {value!r}: expected one of ngram, suffix, draft:MODEL, off")
     if num_tokens is not None:
         config.num_tokens = num_tokens
         config.__post_init__()
@@ -135,6 +139,10 @@ class Proposer(Protocol):
     def propose(self, seq: EngineSequence, k: int) -> list[int]: ...
 
     def finished(self, seq: EngineSequence) -> None: ...
+
+    def retain(self, live: Iterable[int]) -> None:
+        """Called before each step's proposals with the running sequences' ids: per-sequence
+        state of any other sequence may go (the draft model's caches do)."""
 
 
 class NgramIndex:
@@ -192,6 +200,9 @@ class NgramProposer:
 
     def finished(self, seq: EngineSequence) -> None:
         pass
+
+    def retain(self, live: Iterable[int]) -> None:
+        pass  # its per-sequence index lives on the sequence
 
 
 class ResponseIndex:
@@ -270,6 +281,8 @@ class SuffixProposer(NgramProposer):
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The n-gram proposers; a draft model's (`engine/draft.py`) is built where its model loads
+    (`load_backend`), which sets it on the `Speculator`: until then this one stands in."""
     return SuffixProposer(config) if config.method == "suffix" else NgramProposer(config)
 
 
@@ -313,6 +326,7 @@ class Speculator:
     def propose(self, running: Iterable[EngineSequence], max_context: int) -> None:
         """Sets `draft_ids` of every running sequence (empty where it does not speculate)."""
         running = list(running)
+        self.proposer.retain(s.seq_id for s in running)
         decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
         for seq in running:
             seq.draft_ids = []

@@ -131,6 +131,13 @@ GRAMMAR_REQUESTS = Counter(
     ["kind"],
     registry=REGISTRY,
 )
+LOOPS_BROKEN = Counter(
+    "turbospark_loops_broken",
+    "Loops the loop guard made a reply leave (serve --loop-guard): one short block repeated "
+    "for the guard's window of tokens",
+    ["model"],
+    registry=REGISTRY,
+)
 LAZY_TRIGGERS = Counter(
     "turbospark_tool_call_constraint_triggers",
     "tool_choice auto: calls the model started that the call grammar then held (form tag or bare), "
@@ -260,11 +267,15 @@ def observe_inter_token(model: str, seconds: float) -> None:
     _child(INTER_TOKEN_LATENCY, model).observe(seconds)
 
 
-def observe_request(model: str, seconds: float, *, prompt_tokens: int, finish_reason: str) -> None:
+def observe_request(
+    model: str, seconds: float, *, prompt_tokens: int, finish_reason: str, loops_broken: int = 0
+) -> None:
     """Once per request, when its result is handed back."""
     _child(REQUEST_LATENCY, model).observe(seconds)
     _child(PROMPT_TOKENS, model).inc(prompt_tokens)
     ENGINE_REQUESTS.labels(model, finish_reason).inc()
+    if loops_broken:
+        LOOPS_BROKEN.labels(model).inc(loops_broken)
 
 
 # ---- engine state and step timing (read on scrape) -------------------------------------------

@@ -140,20 +140,21 @@ class LoopGuard:
     The state is the committed tokens' (the engine's `Sequence` keeps one guard); a
     verification's positions run on a `copy` that is written back where they are accepted."""
 
-    __slots__ = ("start", "until", "window")
+    __slots__ = ("loops", "start", "until", "window")
 
     def __init__(self, window: int) -> None:
         self.window = window
         self.start = 0  # where the loop the guard holds against began (generated index)
         self.until = -1  # the guard holds while fewer tokens than this are generated
+        self.loops = 0  # loops found (each counted once, however long the guard then holds)
 
     def copy(self) -> LoopGuard:
         twin = LoopGuard(self.window)
-        twin.start, twin.until = self.start, self.until
+        twin.assign(self)
         return twin
 
     def assign(self, other: LoopGuard) -> None:
-        self.start, self.until = other.start, other.until
+        self.start, self.until, self.loops = other.start, other.until, other.loops
 
     def banned(self, generated_ids: Sequence[int]) -> list[int]:
         """The tokens masked before the next one is picked (none outside a loop)."""
@@ -162,6 +163,7 @@ class LoopGuard:
         if token is not None:
             if n >= self.until:  # a new loop
                 self.start = n - self.window
+                self.loops += 1
             self.until = n + self.window
         if n >= self.until:
             return []

@@ -12,6 +12,7 @@ import torch
 from test_engine import run_all
 from tiny_models import FAMILIES, checkpoint
 
+from turbospark import metrics
 from turbospark.backend import NEVER_CANCEL, GenerationConfig
 from turbospark.engine.engine import Engine
 from turbospark.engine.models import build_model
@@ -71,6 +72,10 @@ def _longest_loop(tokens: list[int]) -> int:
     )
 
 
+def _loops_broken() -> float:
+    return metrics.REGISTRY.get_sample_value("turbospark_loops_broken_total", {"model": "loops"}) or 0.0
+
+
 def _engine(model: torch.nn.Module, speculator: Speculator | None = None) -> Engine:
     runner = ModelRunner(model, max_context=512, num_blocks=512, block_size=4)
     scheduler = Scheduler(SchedulerConfig(max_active=4, max_batched_tokens=64), runner.block_manager)
@@ -91,7 +96,9 @@ def test_a_greedy_loop_is_left_the_same_way_on_every_path(method: str) -> None:
         if method == "ngram"
         else None
     )
+    before = _loops_broken()
     got = run_all(_engine(model, speculator), PROMPTS, [on] * len(PROMPTS))
+    assert _loops_broken() - before >= len(PROMPTS)  # /metrics counts each loop the guard broke
     assert got == want
     assert all(len(t) == 240 for t in got)
     assert max(_longest_loop(t) for t in got) <= WINDOW

@@ -109,10 +109,11 @@ class Delivery:
             seconds,
             prompt_tokens=item.num_prompt_tokens,
             finish_reason=item.finish_reason.value,
+            loops_broken=seq.loop_guard.loops,
         )
         log.info(
             "%s: request done in %.1f s (prefill %.1f s, decode %.1f s): %d prompt tokens, %d cached; "
-            "%d generated; %s",
+            "%d generated; %s%s",
             self.engine.name,
             seconds,
             item.prefill_seconds,
@@ -121,6 +122,7 @@ class Delivery:
             item.num_cached_tokens,
             len(item.token_ids),
             item.finish_reason.value,
+            f"; the loop guard broke {seq.loop_guard.loops} loop(s)" if seq.loop_guard.loops else "",
         )
         return item
 

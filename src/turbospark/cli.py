@@ -630,7 +630,7 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_LOOP_GUARD,
         metavar="TOKENS",
-        help="when a reply has repeated one block of up to 32 tokens for this many tokens, mask the "
+        help="when a reply has repeated one block of up to 128 tokens for this many tokens, mask the "
         "token that would repeat it again, so the model leaves the loop (small models get stuck "
         f"in them, inside tool-call arguments too); 0: off (default {DEFAULT_LOOP_GUARD})",
     )

@@ -74,7 +74,7 @@ def model_kinds(backend: Backend) -> list[str]:
     return kinds
 
 
-# A model that has written one block of up to 32 tokens over and over for this many tokens is
+# A model that has written one block of up to 128 tokens over and over for this many tokens is
 # stuck, at any temperature: the token that would start the block again is masked, once per
 # loop. `serve --loop-guard 0` turns it off.
 DEFAULT_LOOP_GUARD = 256

@@ -98,27 +98,32 @@ def apply_penalties(
     return logits
 
 
-LOOP_MAX_PERIOD = 32  # the longest block the loop guard looks for, in tokens
+LOOP_MAX_PERIOD = 128  # the longest block the loop guard looks for, in tokens
 LOOP_NGRAM = 8  # while the guard holds, no run of this many tokens may repeat one since the loop
 
 
 def loop_continuation(generated_ids: Sequence[int], window: int) -> int | None:
     """The token that would extend an exact loop, or None: a loop is the last `window` generated
-    tokens (window > 2 * period) being one block of at most `LOOP_MAX_PERIOD` tokens over and
-    over. Cheap enough for every token: nothing is compared unless the last token occurs among
-    the 32 before it, and a period is checked in full only where the last two tokens repeat."""
+    tokens (window >= 2 * period) being one block of at most `LOOP_MAX_PERIOD` tokens over and
+    over. Cheap enough for every token: only the distances at which the last token occurred
+    before (found by C-level list searches) are candidate periods, and a period is checked in
+    full only where the token before the last repeats at that distance too."""
     n = len(generated_ids)
-    if (
-        window <= 2
-        or n < window
-        or generated_ids[n - 1] not in generated_ids[n - 1 - LOOP_MAX_PERIOD : n - 1]
-    ):
+    if window <= 2 or n < window:
         return None
-    for p in range(1, min(LOOP_MAX_PERIOD, window // 2) + 1):
-        if (
-            generated_ids[n - 1] != generated_ids[n - 1 - p]
-            or generated_ids[n - 2] != generated_ids[n - 2 - p]
-        ):
+    reach = min(LOOP_MAX_PERIOD, window // 2)
+    last = generated_ids[n - 1]
+    recent = list(generated_ids[n - 1 - reach : n - 1])
+    periods: list[int] = []
+    at = -1
+    while True:
+        try:
+            at = recent.index(last, at + 1)
+        except ValueError:
+            break
+        periods.append(len(recent) - at)
+    for p in reversed(periods):  # the shortest period first
+        if generated_ids[n - 2] != generated_ids[n - 2 - p]:
             continue
         if all(generated_ids[i] == generated_ids[i - p] for i in range(n - window + p, n)):
             return generated_ids[n - p]

@@ -35,6 +35,9 @@ def test_loop_continuation_finds_the_token_that_goes_round_again() -> None:
     assert loop_continuation([*looping, 99], 40) is None  # just left it
     assert loop_continuation(list(range(100)), 40) is None
     assert loop_continuation([1, 2] * 3, 40) is None  # too short to tell
+    paragraph = list(range(200, 300))  # a 100-token block (a code block written again and again)
+    assert loop_continuation([7, *paragraph * 3], 256) == 200
+    assert loop_continuation([7, *paragraph * 3, 5], 256) is None
 
 
 def test_the_guard_masks_the_loop_and_its_respellings_then_lets_go() -> None:

@@ -102,18 +102,19 @@ LOOP_MAX_PERIOD = 128  # the longest block the loop guard looks for, in tokens
 LOOP_NGRAM = 8  # while the guard holds, no run of this many tokens may repeat one since the loop
 
 
-def loop_continuation(generated_ids: Sequence[int], window: int) -> int | None:
+def loop_continuation(ids: Sequence[int], window: int, base: int = 0) -> int | None:
     """The token that would extend an exact loop, or None: a loop is the last `window` generated
-    tokens (window >= 2 * period) being one block of at most `LOOP_MAX_PERIOD` tokens over and
-    over. Cheap enough for every token: only the distances at which the last token occurred
-    before (found by C-level list searches) are candidate periods, and a period is checked in
-    full only where the token before the last repeats at that distance too."""
-    n = len(generated_ids)
-    if window <= 2 or n < window:
+    tokens (`ids[base:]` are the generated ones; window >= 2 * period) being one block of at most
+    `LOOP_MAX_PERIOD` tokens over and over. Cheap enough for every token: only the distances at
+    which the last token occurred before (found by C-level list searches) are candidate periods,
+    and a period is checked in full only where the token before the last repeats at that
+    distance too. Reads only the last `window` ids: no copy of the sequence."""
+    n = len(ids)
+    if window <= 2 or n - base < window:
         return None
     reach = min(LOOP_MAX_PERIOD, window // 2)
-    last = generated_ids[n - 1]
-    recent = list(generated_ids[n - 1 - reach : n - 1])
+    last = ids[n - 1]
+    recent = list(ids[n - 1 - reach : n - 1])
     periods: list[int] = []
     at = -1
     while True:
@@ -123,10 +124,10 @@ def loop_continuation(generated_ids: Sequence[int], window: int) -> int | None:
             break
         periods.append(len(recent) - at)
     for p in reversed(periods):  # the shortest period first
-        if generated_ids[n - 2] != generated_ids[n - 2 - p]:
+        if ids[n - 2] != ids[n - 2 - p]:
             continue
-        if all(generated_ids[i] == generated_ids[i - p] for i in range(n - window + p, n)):
-            return generated_ids[n - p]
+        if all(ids[i] == ids[i - p] for i in range(n - window + p, n)):
+            return ids[n - p]
     return None
 
 
@@ -145,13 +146,16 @@ class LoopGuard:
     The state is the committed tokens' (the engine's `Sequence` keeps one guard); a
     verification's positions run on a `copy` that is written back where they are accepted."""
 
-    __slots__ = ("loops", "start", "until", "window")
+    __slots__ = ("_memo", "loops", "start", "until", "window")
 
     def __init__(self, window: int) -> None:
         self.window = window
         self.start = 0  # where the loop the guard holds against began (generated index)
         self.until = -1  # the guard holds while fewer tokens than this are generated
         self.loops = 0  # loops found (each counted once, however long the guard then holds)
+        # the last answer, by sequence length: a step asks twice (`_edits`, then `apply`), and a
+        # sequence's committed tokens only grow, so one length is one content
+        self._memo: tuple[int, list[int]] = (-1, [])
 
     def copy(self) -> LoopGuard:
         twin = LoopGuard(self.window)
@@ -160,37 +164,46 @@ class LoopGuard:
 
     def assign(self, other: LoopGuard) -> None:
         self.start, self.until, self.loops = other.start, other.until, other.loops
+        self._memo = (-1, [])
 
-    def banned(self, generated_ids: Sequence[int]) -> list[int]:
-        """The tokens masked before the next one is picked (none outside a loop)."""
-        n = len(generated_ids)
-        token = loop_continuation(generated_ids, self.window)
+    def banned(self, ids: Sequence[int], base: int = 0) -> list[int]:
+        """The tokens masked before the next one is picked (none outside a loop); `ids[base:]`
+        are the generated tokens (`base` may be negative for a tail of them: then `len(ids) -
+        base` is their count, and the tail must reach back to where the loop began)."""
+        total = len(ids)
+        if self._memo[0] == total - base:
+            return self._memo[1]
+        n = total - base  # generated so far
+        token = loop_continuation(ids, self.window, base)
         if token is not None:
             if n >= self.until:  # a new loop
                 self.start = n - self.window
                 self.loops += 1
             self.until = n + self.window
-        if n >= self.until:
-            return []
-        out = [] if token is None else [token]
-        key = list(generated_ids[n - LOOP_NGRAM + 1 :])
-        first = key[0] if key else None
-        for i in range(self.start, n - LOOP_NGRAM + 1):
-            if generated_ids[i] == first and list(generated_ids[i : i + LOOP_NGRAM - 1]) == key:
-                out.append(generated_ids[i + LOOP_NGRAM - 1])
-        return sorted(set(out))
+        out: list[int] = []
+        if n < self.until:
+            if token is not None:
+                out.append(token)
+            key = list(ids[total - LOOP_NGRAM + 1 :])
+            first = key[0] if key else None
+            for i in range(max(base + self.start, 0), total - LOOP_NGRAM + 1):
+                if ids[i] == first and list(ids[i : i + LOOP_NGRAM - 1]) == key:
+                    out.append(ids[i + LOOP_NGRAM - 1])
+            out = sorted(set(out))
+        self._memo = (n, out)
+        return out
 
-    def apply(self, logits: torch.Tensor, generated_ids: Sequence[int]) -> None:
+    def apply(self, logits: torch.Tensor, ids: Sequence[int], base: int = 0) -> None:
         """Masks `banned` in logits (vocab,), after every other edit: where that would leave no
         token allowed (a grammar allows only those), nothing is masked."""
-        banned = self.banned(generated_ids)
+        banned = self.banned(ids, base)
         if not banned:
             return
-        ids = torch.tensor(banned, dtype=torch.long)
-        kept = logits[ids].clone()
-        logits[ids] = float("-inf")
+        index = torch.tensor(banned, dtype=torch.long)
+        kept = logits[index].clone()
+        logits[index] = float("-inf")
         if not bool(torch.isfinite(logits).any()):
-            logits[ids] = kept
+            logits[index] = kept
 
 
 def guard_of(row: object) -> LoopGuard | None:
@@ -325,6 +338,7 @@ class SamplingRow(Protocol):
     config: GenerationConfig
     generator: torch.Generator
     token_ids: list[int]
+    num_prompt_tokens: int  # token_ids[num_prompt_tokens:] are the generated ones
     distinct_ids: DistinctIds  # token_ids' distinct ids, for the repetition penalty
 
     @property
@@ -372,7 +386,7 @@ def _sample_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Tok
                     proc(row.generated_ids, logits[i])
                 guard = guard_of(row)
                 if guard is not None:
-                    guard.apply(logits[i], row.generated_ids)
+                    guard.apply(logits[i], row.token_ids, row.num_prompt_tokens)
             except Exception as exc:
                 out[i] = exc
     greedy = [i for i, row in enumerate(rows) if row.config.is_greedy and out[i] is None]
@@ -411,7 +425,10 @@ def _edits(row: SamplingRow) -> bool:
     penalized = c.repetition_penalty != 1.0 or c.presence_penalty or c.frequency_penalty
     guard = guard_of(row)
     return bool(
-        c.logit_bias or penalized or c.processors or (guard is not None and guard.banned(row.generated_ids))
+        c.logit_bias
+        or penalized
+        or c.processors
+        or (guard is not None and guard.banned(row.token_ids, row.num_prompt_tokens))
     )
 
 

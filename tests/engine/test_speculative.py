@@ -109,12 +109,12 @@ class _Row:
     config: GenerationConfig
     generator: torch.Generator
     token_ids: list[int]
-    num_prompt: int = 2
+    num_prompt_tokens: int = 2
     distinct_ids: DistinctIds = field(default_factory=DistinctIds)
 
     @property
     def generated_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt :]
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 def test_sampled_verification_keeps_the_target_distribution_over_two_positions() -> None:

@@ -43,10 +43,6 @@ class DraftProposer:
         self.max_seqs = max_seqs
         self._states: dict[int, tuple[SequenceState, list[int]]] = {}  # seq id -> (cache, fed ids)
 
-    @property
-    def vocab_size(self) -> int:
-        return self.runner.vocab_size
-
     @torch.inference_mode()
     def propose(self, seq: EngineSequence, k: int) -> list[int]:
         held = self._states.get(seq.seq_id)

@@ -58,6 +58,7 @@ from turbospark.backend import FinishReason, TokenEvent
 from turbospark.engine.sequence import Sequence as EngineSequence
 from turbospark.engine.sequence import SequenceStatus
 from turbospark.sampling import (
+    LOOP_NGRAM,
     DistinctIds,
     LoopGuard,
     SamplingRow,
@@ -449,11 +450,12 @@ def rejection_step(
 class _DraftedRow:
     """A sequence as the sampler would see it with `extra` tokens appended."""
 
-    __slots__ = ("_base", "_extra", "distinct_ids")
+    __slots__ = ("_base", "_extra", "distinct_ids", "num_prompt_tokens")
 
     def __init__(self, base: SamplingRow, extra: list[int]) -> None:
         self._base = base
         self._extra = extra
+        self.num_prompt_tokens = base.num_prompt_tokens
         self.distinct_ids = _ExtendedDistinct(base.distinct_ids, len(base.token_ids))
 
     @property
@@ -490,12 +492,21 @@ class _ExtendedDistinct(DistinctIds):
 def _guard_bans_within(guard: LoopGuard | None, row: SamplingRow, draft: list[int]) -> bool:
     """Whether the loop guard masks tokens at some position of this verification (the drafts
     accepted before a position may complete a loop): then every position is sampled as plain
-    decoding samples it. Asked of a copy of the sequence's guard."""
+    decoding samples it. Asked of a copy of the sequence's guard, over the tail the guard reads
+    (the last two windows: a held loop began at most one window before it was found, and is held
+    one window after), not a copy of the whole sequence per position."""
     if guard is None or not draft:
         return False
     probe = guard.copy()
-    generated = list(row.generated_ids)
-    return any(probe.banned([*generated, *draft[:j]]) for j in range(1, len(draft) + 1))
+    ids = row.token_ids
+    cut = max(row.num_prompt_tokens, len(ids) - 2 * guard.window - LOOP_NGRAM)
+    tail = ids[cut:]
+    base = row.num_prompt_tokens - cut  # <= 0: the generated count stays len(tail) - base
+    for token in draft:
+        tail.append(token)
+        if probe.banned(tail, base):
+            return True
+    return False
 
 
 def _verify_one(logits: torch.Tensor, row: SamplingRow, draft: list[int]) -> list[TokenEvent]:
@@ -513,7 +524,7 @@ def _verify_one(logits: torch.Tensor, row: SamplingRow, draft: list[int]) -> lis
             view = _DraftedRow(row, draft[:j])
             apply_penalties(x, c, view.token_ids, view.generated_ids, view.distinct_ids)
             if guard is not None:
-                guard.apply(x, view.generated_ids)
+                guard.apply(x, view.token_ids, view.num_prompt_tokens)
         if c.is_greedy:
             token = greedy_ids(x[None])[0]
             accepted = j < len(draft) and token == draft[j]

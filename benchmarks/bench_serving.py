@@ -428,6 +428,18 @@ def engine_counters(engine: Any) -> dict[str, float]:
     }
 
 
+def kernel_profile(seconds: float, delay: float = 3.0) -> None:
+    """`--kernel-profile`: the GPU's kernels over `seconds` of the offline run's steady state
+    (after `delay`), by total time. CUPTI traces the whole process, the engine thread and the
+    kernels inside CUDA graph replays included."""
+    from torch.profiler import ProfilerActivity, profile
+
+    time.sleep(delay)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        time.sleep(seconds)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=80))
+
+
 def run_offline(args: argparse.Namespace, prompts: list[str]) -> tuple[Scenario, dict[str, Any] | None, str]:
     """The request set straight into the engine `serve ARGS` runs, in this process: the registry
     and its models built by the CLI's own code (`cli.serving_registry`, `load_into`), each
@@ -456,6 +468,8 @@ def run_offline(args: argparse.Namespace, prompts: list[str]) -> tuple[Scenario,
         if engine.profile is not None:
             engine.profile.reset()
         before = engine_counters(engine)
+        if args.kernel_profile:
+            threading.Thread(target=kernel_profile, args=(args.kernel_profile,), daemon=True).start()
         results, duration = drive(registry, engine, model, prompts, args.output_len, limit)
         after = engine_counters(engine)
         delta = {k: after[k] - before[k] for k in after}
@@ -714,6 +728,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--slow-delay", type=float, default=0.25, help="seconds the slow reader sleeps per chunk")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--kernel-profile",
+        type=float,
+        default=0.0,
+        help="with --offline on a GPU: print the kernels' time over this many seconds of it",
+    )
     p.add_argument("--result-json", help="write every scenario's summary here")
     args = p.parse_args(argv)
     if args.offline and not args.serve:

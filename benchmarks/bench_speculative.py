@@ -21,6 +21,23 @@ the drafts' acceptance, and whether the greedy text equals off's token for token
         --draft-model qwen2.5-coder:0.5b
 
 The machine's CPU is shared and noisy: compare ratios within one run only.
+
+On a GPU, random weights (`benchmarks/random_model.py`) cannot measure acceptance: their greedy
+text copies nothing. There the workloads are replayed: `--record FILE` (on the CPU, a pulled
+model) writes each workload's prompt ids and greedy output ids; `--replay FILE` (on the GPU, a
+random folder of a config with the same vocabulary, e.g. qwen2.5-0.5b or qwen2.5-7b) feeds the
+recorded prompt and forces the recorded output as the target's continuation: after each forward
+the runner's logits rows are replaced by a one-hot at the recorded token of their position, so
+the n-gram proposer drafts from the real context and is accepted exactly where it would be on the
+real model, while every forward (plain decode, and the verification of 1 + k positions) costs
+what it costs on that GPU. Both modes pay the same replacement. `--batch N` runs N copies of each
+workload at once (throughput over all N; above the speculator's `max_batch` decoding sequences a
+step does not speculate).
+
+    python benchmarks/bench_speculative.py --model qwen2.5-coder:0.5b --max-tokens 300 \
+        --modes off --record benchmarks/data/speculative_replay.json
+    python benchmarks/bench_speculative.py --model /tmp/rand-qwen-7b --device cuda \
+        --replay benchmarks/data/speculative_replay.json --modes off,ngram --batch 1
 """
 
 from __future__ import annotations
@@ -30,12 +47,19 @@ import json
 import platform
 import statistics
 import textwrap
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from turbospark.backend import NEVER_CANCEL, GenerationConfig
+from turbospark.backend import NEVER_CANCEL, CompletionResult, GenerationConfig
 from turbospark.engine.backend import load_backend
 from turbospark.engine.draft import DraftProposer
+from turbospark.engine.engine import StepOutput
+from turbospark.engine.runner import ModelRunner
+from turbospark.engine.scheduler import ScheduledBatch
 from turbospark.engine.speculative import SpeculativeConfig, Speculator
 
 
@@ -134,6 +158,66 @@ def workloads() -> dict[str, str]:
     return {"edit": edit, "tool": tool, "free": free, "translate": translate}
 
 
+def force_replay(runner: ModelRunner, outputs: dict[tuple[int, ...], list[int]]) -> Callable[[], None]:
+    """Makes `runner` emit each sequence's recorded output (`--replay`): its logits rows become a
+    one-hot at the recorded token of their position, found by the sequence's prompt. Returns the
+    undo."""
+    plain = runner.execute
+
+    @torch.inference_mode()
+    def execute(batch: ScheduledBatch, *, want_ids: bool = False) -> StepOutput:
+        step = runner.step_inputs(batch)
+        out = runner.run_step(step, want_ids=False)
+        counts = step.num_logits or [1] * len(step.sample_rows)
+        targets: list[int] = []
+        for r, c in zip(step.sample_rows, counts, strict=True):
+            seq = batch.seqs[r]
+            recorded = outputs[tuple(seq.token_ids[: seq.num_prompt_tokens])]
+            end = step.num_cached[r] + step.num_new[r]  # positions before this one's next token
+            for j in range(c):
+                g = end - c + j + 1 - seq.num_prompt_tokens  # the generated index it predicts
+                targets.append(recorded[g] if 0 <= g < len(recorded) else recorded[-1])
+        logits = out.logits
+        logits.fill_(0.0)
+        index = torch.tensor(targets, dtype=torch.long, device=logits.device)
+        logits.scatter_(1, index[:, None], 1.0)
+        return StepOutput(logits, targets if want_ids else None)
+
+    runner.execute = execute  # type: ignore[method-assign]
+
+    def undo() -> None:
+        runner.execute = plain  # type: ignore[method-assign]
+
+    return undo
+
+
+def run_batch(
+    engine: Any, prompt: list[int], config: GenerationConfig, batch: int
+) -> tuple[list[int], float]:
+    """`batch` copies of one request at once: the first's tokens, and output tok/s over all."""
+    results: list[CompletionResult | None] = [None] * batch
+
+    def one(i: int) -> None:
+        results[i] = engine.run([*prompt], config, NEVER_CANCEL, lambda _: None)
+
+    if batch == 1:
+        one(0)
+        (result,) = results
+        assert result is not None
+        n = len(result.token_ids)
+        return result.token_ids, (n - 1) / result.decode_seconds if result.decode_seconds > 0 else 0.0
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(batch)]
+
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - started
+    done = [r for r in results if r is not None]
+    return done[0].token_ids, sum(len(r.token_ids) for r in done) / elapsed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -143,9 +227,13 @@ def main() -> None:
     parser.add_argument("--workloads", default="edit,tool,free,translate")
     parser.add_argument("--max-tokens", type=int, default=700)
     parser.add_argument("--num-speculative-tokens", type=int, default=SpeculativeConfig().num_tokens)
+    parser.add_argument("--max-batch", type=int, default=SpeculativeConfig().max_batch)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--draft-model", default=None, help="mode 'draft' drafts with this model")
+    parser.add_argument("--record", help="write each workload's prompt and first mode's output ids here")
+    parser.add_argument("--replay", help="force the outputs recorded in this file (see the docstring)")
+    parser.add_argument("--batch", default="1", help="comma-separated: copies of each request at once")
     args = parser.parse_args()
 
     backend = load_backend(args.model, device=args.device, progress=False)
@@ -160,61 +248,90 @@ def main() -> None:
         )
         draft_runner = draft.runner
     engine = backend.engine
-    tok = backend.tokenizer
-    (im_end,) = tok.encode("<|im_end|>")
-    print(
-        f"# {args.model} on {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    recorded: dict[str, dict[str, list[int]]] = {}
+    if args.replay:
+        with open(args.replay) as f:
+            recorded = json.load(f)
+        prompts = {name: w["prompt_ids"] for name, w in recorded.items()}
+        force_replay(backend.runner, {tuple(w["prompt_ids"]): w["output_ids"] for w in recorded.values()})
+        stop: frozenset[int] = frozenset()
+    else:
+        tok = backend.tokenizer
+        (im_end,) = tok.encode("<|im_end|>")
+        prompts = {name: tok.encode(text) for name, text in workloads().items()}
+        stop = frozenset({im_end})
+    device = (
+        torch.cuda.get_device_name(args.device)
+        if args.device.startswith("cuda")
+        else (platform.processor() or platform.machine())
     )
-    print("# mode     workload  tokens  decode tok/s  vs off  accepted/proposed  same text as off")
+    print(
+        f"# {args.model} on {device}, {torch.get_num_threads()} threads"
+        + (" (replayed)" if args.replay else "")
+    )
+    print("# mode     workload  batch  tokens  tok/s  vs off  accepted/proposed  same text as off")
     modes = args.modes.split(",")
     earlier: list[list[int]] = []
     for name in args.workloads.split(","):
-        prompt = tok.encode(workloads()[name])
-        config = GenerationConfig(
-            max_new_tokens=args.max_tokens, temperature=0.0, stop_token_ids=frozenset({im_end})
-        )
-        rates: dict[str, list[float]] = {m: [] for m in modes}
-        texts: dict[str, list[int]] = {}
-        counts: dict[str, tuple[int, int]] = {}
-        for _ in range(args.rounds):
+        if name not in prompts:
+            continue
+        prompt = prompts[name]
+        max_tokens = len(recorded[name]["output_ids"]) if args.replay else args.max_tokens
+        config = GenerationConfig(max_new_tokens=max_tokens, temperature=0.0, stop_token_ids=stop)
+        for batch in [int(b) for b in args.batch.split(",")]:
+            rates: dict[str, list[float]] = {m: [] for m in modes}
+            texts: dict[str, list[int]] = {}
+            counts: dict[str, tuple[int, int]] = {}
+            for _ in range(args.rounds):
+                for mode in modes:
+                    speculator = None
+                    if mode == "draft":
+                        assert draft_runner is not None, "mode draft needs --draft-model"
+                        speculator = Speculator(
+                            SpeculativeConfig(
+                                method="draft",
+                                draft_model=args.draft_model,
+                                num_tokens=args.num_speculative_tokens,
+                                max_batch=args.max_batch,
+                            ),
+                            model=args.model,
+                        )
+                        speculator.proposer = DraftProposer(draft_runner, max_seqs=1)
+                    elif mode != "off":
+                        speculator = Speculator(
+                            SpeculativeConfig(
+                                method=mode, num_tokens=args.num_speculative_tokens, max_batch=args.max_batch
+                            ),
+                            model=args.model,
+                        )
+                        if mode == "suffix":  # earlier responses: the previous workloads' (not this one's)
+                            for ids in earlier:
+                                speculator.proposer.responses.add(ids)  # type: ignore[attr-defined]
+                    engine.speculator = speculator
+                    # later modes hit the prefix cache: only the decode (first token to last) is timed
+                    ids, rate = run_batch(engine, prompt, config, batch)
+                    rates[mode].append(rate)
+                    texts.setdefault(mode, ids)
+                    if speculator is not None:
+                        counts[mode] = (speculator.num_accepted, speculator.num_proposed)
+            engine.speculator = None
+            earlier.append(texts[modes[0]])
+            if args.record and name not in recorded:
+                recorded[name] = {"prompt_ids": list(prompt), "output_ids": texts[modes[0]]}
+            base = statistics.median(rates["off"]) if "off" in rates else None
             for mode in modes:
-                speculator = None
-                if mode == "draft":
-                    assert draft_runner is not None, "mode draft needs --draft-model"
-                    speculator = Speculator(
-                        SpeculativeConfig(
-                            method="draft",
-                            draft_model=args.draft_model,
-                            num_tokens=args.num_speculative_tokens,
-                        ),
-                        model=args.model,
-                    )
-                    speculator.proposer = DraftProposer(draft_runner, max_seqs=1)
-                elif mode != "off":
-                    speculator = Speculator(
-                        SpeculativeConfig(method=mode, num_tokens=args.num_speculative_tokens),
-                        model=args.model,
-                    )
-                    if mode == "suffix":  # earlier responses: the previous workloads' (not this one's)
-                        for ids in earlier:
-                            speculator.proposer.responses.add(ids)  # type: ignore[attr-defined]
-                engine.speculator = speculator
-                # later modes hit the prefix cache: only the decode (first token to last) is timed
-                result = engine.run([*prompt], config, NEVER_CANCEL, lambda _: None)
-                n = len(result.token_ids)
-                rates[mode].append((n - 1) / result.decode_seconds if result.decode_seconds > 0 else 0.0)
-                texts.setdefault(mode, result.token_ids)
-                if speculator is not None:
-                    counts[mode] = (speculator.num_accepted, speculator.num_proposed)
-        engine.speculator = None
-        earlier.append(texts[modes[0]])
-        base = statistics.median(rates["off"]) if "off" in rates else None
-        for mode in modes:
-            rate = statistics.median(rates[mode])
-            ratio = f"{rate / base:5.2f}x" if base else "  -  "
-            acc = "{}/{}".format(*counts[mode]) if mode in counts else "-"
-            same = "-" if mode == "off" or "off" not in texts else str(texts[mode] == texts["off"])
-            print(f"  {mode:8s} {name:8s} {len(texts[mode]):6d}  {rate:12.1f}  {ratio}  {acc:>17s}  {same}")
+                rate = statistics.median(rates[mode])
+                ratio = f"{rate / base:5.2f}x" if base else "  -  "
+                acc = "{}/{}".format(*counts[mode]) if mode in counts else "-"
+                same = "-" if mode == "off" or "off" not in texts else str(texts[mode] == texts["off"])
+                print(
+                    f"  {mode:8s} {name:9s} {batch:5d}  {len(texts[mode]):6d}  {rate:7.1f}  {ratio}"
+                    f"  {acc:>17s}  {same}",
+                    flush=True,
+                )
+    if args.record:
+        with open(args.record, "w") as f:
+            json.dump(recorded, f)
 
 
 if __name__ == "__main__":

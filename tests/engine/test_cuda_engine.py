@@ -73,3 +73,42 @@ def test_seeded_sampling_on_cuda_reproduces() -> None:
     filtered = run(temperature=0.9, seed=7, top_k=5, top_p=0.8)  # masked on the GPU first
     assert len(filtered) == 16 and all(0 <= t < cfg["vocab_size"] for t in filtered)
     engine.stop(wait=5.0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_speculation_on_cuda_gives_plain_decodings_tokens(family: str) -> None:
+    """Verifications of random accept lengths (the oracle's drafts, half of them corrupted) run
+    through the CUDA graph runner (mixed steps piecewise): the tokens of plain decoding on the same
+    runner, every block back."""
+    from test_engine import run_all
+    from test_speculative import OracleProposer
+
+    from turbospark.engine.speculative import SpeculativeConfig, Speculator
+
+    cfg, tensors, _ = checkpoint(FAMILIES[family], seed=1, init_std=1.0)
+    model = build_model(cfg, tensors, "cuda", torch.bfloat16)
+    requests = prompts(seed=4, num=6)
+    configs = [GenerationConfig(max_new_tokens=24, temperature=0.0) for _ in requests]
+
+    def engine_of(speculator: Speculator | None) -> Engine:
+        runner = ModelRunner(
+            model, max_context=128, num_blocks=64, block_size=16, device="cuda", max_step_tokens=64
+        )
+        scheduler = Scheduler(
+            SchedulerConfig(max_active=6, max_batched_tokens=64, max_prefill_tokens=64), runner.block_manager
+        )
+        return Engine(runner, scheduler, max_context=128, name="cuda-spec", speculator=speculator)
+
+    plain = engine_of(None)
+    want = run_all(plain, requests, configs)
+    plain.stop(wait=5.0)
+    speculator = Speculator(SpeculativeConfig(num_tokens=5, max_batch=8))
+    speculator.proposer = OracleProposer({tuple(p): w for p, w in zip(requests, want, strict=True)}, 3)
+    engine = engine_of(speculator)
+    assert engine.runner.graphs is not None
+    got = run_all(engine, requests, configs)
+    engine.stop(wait=5.0)
+    assert got == want
+    assert 0 < speculator.num_accepted < speculator.num_proposed
+    engine.scheduler.check()
+    assert engine.scheduler.blocks.num_used_blocks == 0

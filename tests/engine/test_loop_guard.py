@@ -7,6 +7,8 @@ and the plain engine, the speculative engine and the sequential reference give t
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from test_engine import run_all
@@ -60,6 +62,27 @@ def test_the_guard_masks_the_loop_and_its_respellings_then_lets_go() -> None:
     # the guard holds for a window's tokens after the loop, then stops looking back
     later = [*looping, *range(40, 40 + 12)]
     assert guard.banned(later) == []
+
+
+@pytest.mark.parametrize("window", [16, 64, 256])
+def test_skipping_quiet_stretches_answers_as_searching_every_token(window: int) -> None:
+    """The guard searches only where a loop could complete (`LoopGuard.quiet_until`): over
+    token streams that fall into loops of many periods, asked token by token and also from a
+    verification's tail (a negative base), it answers exactly as a guard that searches at every
+    token."""
+    rng = random.Random(window)
+    for _ in range(12):
+        head = [rng.randrange(60) for _ in range(rng.randint(20, 400))]
+        block = [rng.randrange(60) for _ in range(rng.randint(1, 70))]
+        tokens = head + block * rng.randint(2, 12) + [rng.randrange(60) for _ in range(rng.randint(0, 90))]
+        skipping, searching = LoopGuard(window), LoopGuard(window)
+        for end in range(1, len(tokens) + 1):
+            searching.quiet_until = 0
+            want = searching.banned(tokens[:end])
+            assert skipping.banned(tokens[:end]) == want
+            cut = max(0, end - 2 * window - 8)
+            assert skipping.copy().banned(tokens[cut:end], -cut) == want
+        assert skipping.loops == searching.loops
 
 
 def _model() -> torch.nn.Module:

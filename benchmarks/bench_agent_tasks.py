@@ -375,6 +375,13 @@ def run_variant(name: str, serve_args: str, args: argparse.Namespace, tasks: lis
         server.__exit__(None, None, None)
         raise
     with server, TimingProxy(server.url) as proxy, tempfile.TemporaryDirectory(prefix="agent-tasks-") as tmp:
+        if args.warm_up:
+            # Claude Code's ~18,800-token system prompt and tools, prefilled once before the timed
+            # tasks (the prefix cache then carries it): a first prefill of minutes on a small CPU
+            # would otherwise eat the first task's time limit
+            warm = Task("warm_up", "Reply with the word ready.", {}, lambda _w, _t: True)
+            row = run_task(warm, name, args.model, proxy, server.url, Path(tmp), 3600.0)
+            print(f"{name}: warm-up turn {row.wall_s:.0f} s, first TTFT {row.first_ttft_s} s", flush=True)
         for task in tasks:
             row = run_task(task, name, args.model, proxy, server.url, Path(tmp), args.timeout)
             rows.append(row)
@@ -416,6 +423,12 @@ def main() -> None:
     ap.add_argument("--tasks", help="comma-separated task names (default: all)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per task")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument(
+        "--no-warm-up",
+        dest="warm_up",
+        action="store_false",
+        help="time the first task's first prefill too (by default one untimed turn runs first)",
+    )
     args = ap.parse_args()
     if shutil.which("claude") is None:
         sys.exit("the claude CLI is not on PATH")

@@ -188,6 +188,7 @@ def attribute_readers(attr: str) -> set[str]:
 def test_only_the_plan_reads_the_served_models_defaults() -> None:
     assert attribute_readers("default_system") <= {"turbospark.plan"}
     assert attribute_readers("default_reasoning") <= {"turbospark.plan"}
+    assert attribute_readers("tool_prompt") <= {"turbospark.plan"}
 
 
 def test_no_api_module_makes_reasoning_events() -> None:

@@ -54,6 +54,18 @@ def test_default_system_prompt_only_when_the_request_has_none() -> None:
     assert "Be long." in own and "Be brief." not in own
 
 
+def test_tool_prompt_follows_the_system_prompt_only_when_tools_are_declared() -> None:
+    reg = registry(tool_prompt="Call one tool at a time.", default_system="Be brief.")
+    with_tools = plan(reg, tools=[WEATHER]).prompt_text
+    assert "Be brief.\n\nCall one tool at a time." in with_tools
+    assert with_tools.index("Call one tool at a time.") < with_tools.index("get_weather")
+    assert "Call one tool at a time." not in plan(reg).prompt_text
+    own = plan(reg, tools=[WEATHER], messages=[Message("system", "Be long."), Message("user", "hi")])
+    assert "Be long.\n\nCall one tool at a time." in own.prompt_text and "Be brief." not in own.prompt_text
+    none = ToolChoice(mode=ToolChoiceMode.NONE)
+    assert "Call one tool at a time." not in plan(reg, tools=[WEATHER], tool_choice=none).prompt_text
+
+
 def test_reasoning_effort_resolution() -> None:
     high = registry(default_reasoning=ReasoningEffort.HIGH)
     assert plan().reasoning is ReasoningEffort.OFF

@@ -167,6 +167,7 @@ def served_model(spec: str, args: argparse.Namespace, rate: RateControl | None) 
         default_seed=args.seed,
         loop_guard=args.loop_guard,
         default_system=system,
+        tool_prompt=getattr(args, "tool_prompt", None) or None,
         default_reasoning=ReasoningEffort(args.reasoning or ReasoningEffort.OFF),
         # None: the model's own recommendation, else the built-in truncation
         sampling=NO_SAMPLING_DEFAULTS if args.sampling_defaults == "none" else None,
@@ -596,6 +597,12 @@ def parser() -> argparse.ArgumentParser:
     group = s.add_mutually_exclusive_group()
     group.add_argument("--system", help="default system prompt for requests that carry none")
     group.add_argument("--system-file", help="read the default system prompt from this file")
+    s.add_argument(
+        "--tool-prompt",
+        metavar="TEXT",
+        help="append TEXT to the system prompt of every request that declares tools (a short "
+        "tool-use instruction for small models; benchmarks/bench_agent_tasks.py measures it)",
+    )
     s.add_argument("--reasoning", choices=[e.value for e in ReasoningEffort], help="default reasoning effort")
     s.add_argument(
         "--api-key",

@@ -202,6 +202,16 @@ def _with_default_system(messages: list[Message], system: str | None) -> list[Me
     return [Message(role="system", content=system), *messages]
 
 
+def _with_tool_prompt(messages: list[Message], text: str) -> list[Message]:
+    """`serve --tool-prompt`: the text after the first system message's (templates render the
+    tool list after it), or as the system message where there is none."""
+    if messages and messages[0].role in ("system", "developer"):
+        first = messages[0]
+        joined = f"{first.content.rstrip()}\n\n{text}" if first.content.strip() else text
+        return [replace(first, content=joined), *messages[1:]]
+    return [Message(role="system", content=text), *messages]
+
+
 def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
     check_request(request, registry.limits)
     tools = callable_tools(request)  # the request alone decides this: refused before any lookup
@@ -234,6 +244,8 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
         prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=request.add_special_tokens)
     else:
         messages = _with_default_system(request.messages, served.default_system)
+        if tools and served.tool_prompt:
+            messages = _with_tool_prompt(messages, served.tool_prompt)
         try:
             prompt_text = render_chat_template(
                 template,

@@ -87,6 +87,8 @@ class ServedModel:
     backend: Backend
     guardrails: GuardrailConfig = field(default_factory=GuardrailConfig)
     default_system: str | None = None  # used only when a request has no system/developer message
+    # appended to the system prompt of a request that declares tools (`serve --tool-prompt`)
+    tool_prompt: str | None = None
     default_reasoning: ReasoningEffort = ReasoningEffort.OFF
     default_seed: int | None = None  # used only when a request sets no seed
     # generated tokens over which an exact loop is broken (`sampling.loop_continuation`); 0: off

@@ -422,3 +422,32 @@ def test_published_flat_config_and_nested_config_read_alike(folder: Path) -> Non
         qwen2_vl.ModelConfig.from_dict(
             {**PUBLISHED_CONFIG, "rope_scaling": {"type": "mrope", "mrope_section": [1, 2]}}
         )
+
+
+def test_batched_sequences_with_and_without_images_match_their_solo_runs(backend: RealChatModel) -> None:
+    """One step's rows from several sequences: each gets its own 3-D positions (a text-only one
+    its plain index), whether its neighbours have images or not."""
+    requests = [
+        ([tiny_vlm.png(100, 70, seed=15)], None),
+        ([], _prompt(backend, 0, "Tell me a story.")),
+        ([tiny_vlm.png(40, 90, seed=16), tiny_vlm.png(70, 70, seed=17)], None),
+    ]
+    solo = []
+    for images, text in requests:
+        logprobs: list[float] = []
+        solo.append((_greedy(backend, images, 8, text, logprobs).token_ids, logprobs))
+    together: list = [None] * len(requests)
+
+    def run(i: int) -> None:
+        images, text = requests[i]
+        logprobs: list[float] = []
+        together[i] = (_greedy(backend, images, 8, text, logprobs).token_ids, logprobs)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (tokens, logprobs), (solo_tokens, solo_logprobs) in zip(together, solo, strict=True):
+        assert tokens == solo_tokens
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(solo_logprobs), atol=1e-4, rtol=1e-4)

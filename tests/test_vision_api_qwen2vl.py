@@ -1,7 +1,8 @@
-"""Images through the APIs on a tiny random-weight Qwen2-VL folder (tests/engine/tiny_qwen2vl.py)
-served on loopback, with the real client libraries: the same picture gives the same greedy text
-in all four APIs, and that text is what the backend's own greedy decode of the rendered prompt
-gives; a conversation with two pictures; the model lists `vision`."""
+"""Images through the APIs on tiny random-weight Qwen2-VL and Qwen2.5-VL folders
+(tests/engine/tiny_qwen2vl.py) served on loopback, with the real client libraries: the same
+picture gives the same greedy text in all four APIs, and that text is what the backend's own
+greedy decode of the rendered prompt gives; a conversation with two pictures; the model lists
+`vision`."""
 
 from __future__ import annotations
 
@@ -32,11 +33,15 @@ from turbospark.testing import LiveServer
 pytest.importorskip("PIL")
 
 
-@pytest.fixture(scope="module")
-def backend(tmp_path_factory: pytest.TempPathFactory) -> RealChatModel:
-    folder = tmp_path_factory.mktemp("tiny-qwen2vl")
-    tiny_qwen2vl.save_folder(Path(folder))
-    return load_backend(str(folder), quant=None, dtype="float32", progress=False, kv_cache_gb=0.05)
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def backend(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RealChatModel]:
+    folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    tiny_qwen2vl.save_folder(Path(folder), family=request.param)
+    model = load_backend(str(folder), quant=None, dtype="float32", progress=False, kv_cache_gb=0.05)
+    yield model
+    model.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,12 @@
-"""A tiny random-weight Qwen2-VL folder built with transformers, for the vision tests.
+"""A tiny random-weight Qwen2-VL (or Qwen2.5-VL) folder built with transformers, for the vision tests.
 
 Qwen2-VL's shape, shrunk: a vision tower over 6-pixel patches of two frames (48 wide, 4 heads of
 12, so the 2-D rotary has three frequencies per axis), 2 x 2 patches merged into one token, a
 Qwen2 text model with GQA and M-RoPE (head_dim 16: mrope_section [2, 3, 3]); Qwen2-VL's chat
 template and special tokens over the packaged SmolLM2 tokenizer; a preprocessor config whose
-pixel budget (576 .. 5,760 pixels: 4 .. 40 image tokens) keeps prompts short.
+pixel budget (576 .. 5,760 pixels: 4 .. 40 image tokens) keeps prompts short. The Qwen2.5-VL
+tower has four blocks, two of them window blocks over windows of 2 x 2 merged patches (24 pixels),
+so most pictures end in partial windows.
 """
 
 from __future__ import annotations
@@ -52,6 +54,21 @@ VISION = {
     "temporal_patch_size": 2,
 }
 
+VISION_2_5 = {
+    "depth": 4,
+    "hidden_size": 48,
+    "intermediate_size": 64,
+    "hidden_act": "silu",
+    "num_heads": 4,
+    "in_channels": 3,
+    "patch_size": 6,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "window_size": 24,
+    "out_hidden_size": 64,
+    "fullatt_block_indexes": [1, 3],
+}
+
 
 def tokenizer() -> Any:
     """The packaged SmolLM2 tokenizer (which has <|im_start|> and <|im_end|>) with Qwen2-VL's
@@ -63,9 +80,12 @@ def tokenizer() -> Any:
     return tok
 
 
-def save_folder(folder: Path, seed: int = 0, preprocessor: dict[str, Any] | None = None) -> Any:
-    """Writes the folder (config, safetensors, tokenizer, chat template, preprocessor config);
-    returns transformers' model (float32, eval, eager attention)."""
+def save_folder(
+    folder: Path, seed: int = 0, preprocessor: dict[str, Any] | None = None, family: str = "qwen2_vl"
+) -> Any:
+    """Writes the folder (config, safetensors, tokenizer, chat template, preprocessor config) of
+    `family` ("qwen2_vl" or "qwen2_5_vl"); returns transformers' model (float32, eval, eager
+    attention)."""
     import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -83,9 +103,11 @@ def save_folder(folder: Path, seed: int = 0, preprocessor: dict[str, Any] | None
         "bos_token_id": None,
         "eos_token_id": tok.token_to_id("<|im_end|>"),
     }
-    config = transformers.Qwen2VLConfig(
+    two_five = family == "qwen2_5_vl"
+    config_class = transformers.Qwen2_5_VLConfig if two_five else transformers.Qwen2VLConfig
+    config = config_class(
         text_config=text,
-        vision_config=VISION,
+        vision_config=VISION_2_5 if two_five else VISION,
         image_token_id=tok.token_to_id("<|image_pad|>"),
         video_token_id=tok.token_to_id("<|video_pad|>"),
         vision_start_token_id=tok.token_to_id("<|vision_start|>"),
@@ -94,7 +116,12 @@ def save_folder(folder: Path, seed: int = 0, preprocessor: dict[str, Any] | None
     )
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    model_class = (
+        transformers.Qwen2_5_VLForConditionalGeneration
+        if two_five
+        else transformers.Qwen2VLForConditionalGeneration
+    )
+    model = model_class(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():  # a wrong mapping must show
             if "norm" in name or "ln_q" in name:

@@ -2,10 +2,11 @@
 
 One `Engine` (one model runner, one KV cache, one scheduler with its FIFO line) per loaded
 model. `run_completion` submits to it and waits: concurrent requests are batched into the same
-engine steps and share cached prompt prefixes. A vision family (`idefics3`, `qwen2_vl`) gets a
-`VisionSpec`: a request's images are decoded, preprocessed and spliced into its prompt on the
-request's worker thread (`submit_completion` returns None for them), encoded on the engine thread
-when their tokens are first due (`turbospark.engine.vision`); other models refuse images by name.
+engine steps and share cached prompt prefixes. A vision family (`idefics3`, `qwen2_vl`,
+`qwen2_5_vl`) gets a `VisionSpec`: a request's images are decoded, preprocessed and spliced into
+its prompt on the request's worker thread (`submit_completion` returns None for them), encoded on
+the engine thread when their tokens are first due (`turbospark.engine.vision`); other models
+refuse images by name.
 
 The context a model serves is its own (`max_position_embeddings`), bounded by the KV-cache budget
 (`kv_cache_gb`; by default a share of free memory) and lowered by `max_context` when given.
@@ -523,18 +524,18 @@ def _vision_spec(model: Model, source: str, tokenizer: Tokenizer) -> VisionSpec 
         return None
     from pathlib import Path
 
+    from turbospark.engine.models import qwen2_vl
     from turbospark.engine.vision import Idefics3ImageProcessor, Qwen2VLImageProcessor, VisionSpec
 
     path = Path(source)
     folder = path if path.is_dir() else path.parent
-    family = type(model).__module__.rsplit(".", 1)[-1]  # the family module is the model_type
-    if family == "qwen2_vl":
+    if isinstance(model, qwen2_vl.CausalLM):  # Qwen2-VL and Qwen2.5-VL
         token = "<|image_pad|>"
-        image_id = int(model.image_token_id)  # type: ignore[attr-defined]
+        image_id = model.image_token_id
         if tokenizer.token_to_id(token) != image_id:
             raise ValueError(f"{source}: {token} in tokenizer.json is not image_token_id {image_id}")
         processor = Qwen2VLImageProcessor.from_folder(folder)
-        merge = int(model.spatial_merge_size)  # type: ignore[attr-defined]
+        merge = model.spatial_merge_size
         if processor.merge_size != merge:
             raise ValueError(
                 f"{source}: preprocessor_config.json merges {processor.merge_size} patches per side, the "

@@ -91,13 +91,18 @@ class ModelConfig(qwen2.ModelConfig):
                 text[key] = {"rope_type": "default", "rope_theta": rope.get("rope_theta", 10000.0)}
         # (a slots dataclass is a new class: zero-argument super() does not reach it)
         cfg: Self = base.BaseConfig.from_dict.__func__(cls, text)  # type: ignore[attr-defined]
-        cfg.vision = VisionConfig.from_dict(dict(config.get("vision_config") or {}))
+        cfg.vision = cls.vision_from_dict(dict(config.get("vision_config") or {}))
         if section is not None:
             cfg.mrope_section = tuple(int(s) for s in section)
         if sum(cfg.mrope_section) != cfg.head_dim // 2:
             raise ValueError(f"mrope_section {list(cfg.mrope_section)} does not add up to head_dim / 2")
         cfg.image_token_id = int(config.get("image_token_id", cfg.image_token_id))
         return cfg
+
+    @staticmethod
+    def vision_from_dict(config: dict[str, Any]) -> Any:
+        """The family's vision tower settings."""
+        return VisionConfig.from_dict(config)
 
 
 class MRopeRotary(RotaryEmbedding):
@@ -126,10 +131,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class PatchEmbed(nn.Module):
     """A Conv3d whose kernel is its stride: one linear map of each flattened patch."""
 
-    def __init__(self, cfg: VisionConfig) -> None:
+    def __init__(self, in_channels: int, width: int, temporal_patch_size: int, patch_size: int) -> None:
         super().__init__()
-        kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.embed_dim, kernel, kernel, bias=False)
+        kernel = (temporal_patch_size, patch_size, patch_size)
+        self.proj = nn.Conv3d(in_channels, width, kernel, kernel, bias=False)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
@@ -137,11 +142,11 @@ class PatchEmbed(nn.Module):
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    def __init__(self, width: int, num_heads: int) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.qkv = nn.Linear(cfg.embed_dim, 3 * cfg.embed_dim)
-        self.proj = nn.Linear(cfg.embed_dim, cfg.embed_dim)
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], spans: Sequence[int]
@@ -161,7 +166,7 @@ class VisionAttention(nn.Module):
         return self.proj(torch.cat(outs, dim=1).transpose(0, 1).reshape(n, -1))  # type: ignore[no-any-return]
 
 
-def _activation(name: str) -> nn.Module:
+def activation(name: str) -> nn.Module:
     if name == "quick_gelu":
         return QuickGELU()
     if name == "silu":
@@ -179,7 +184,7 @@ class VisionMLP(nn.Module):
         super().__init__()
         hidden = int(cfg.embed_dim * cfg.mlp_ratio)
         self.fc1 = nn.Linear(cfg.embed_dim, hidden)
-        self.act = _activation(cfg.hidden_act)
+        self.act = activation(cfg.hidden_act)
         self.fc2 = nn.Linear(hidden, cfg.embed_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -191,7 +196,7 @@ class VisionBlock(nn.Module):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
         self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
-        self.attn = VisionAttention(cfg)
+        self.attn = VisionAttention(cfg.embed_dim, cfg.num_heads)
         self.mlp = VisionMLP(cfg)
 
     def forward(
@@ -216,44 +221,45 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.width))  # type: ignore[no-any-return]
 
 
+def vision_rope(
+    grids: Sequence[tuple[int, int, int]], merge: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (patches, 1, head_dim) of the 2-D rotary, patches in the processor's order (merge
+    blocks row-major, then the patches inside a block; every frame alike): the first half of
+    each half of the head rotates by the patch's row, the second by its column, one frequency set
+    for both."""
+    rows: list[torch.Tensor] = []
+    cols: list[torch.Tensor] = []
+    for t, h, w in grids:
+        hh, ww = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        hh = hh.reshape(h // merge, merge, w // merge, merge).transpose(1, 2).flatten()
+        ww = ww.reshape(h // merge, merge, w // merge, merge).transpose(1, 2).flatten()
+        rows.append(hh.repeat(t))
+        cols.append(ww.repeat(t))
+    quarter = head_dim // 2
+    inv_freq = 1.0 / (theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter))
+    fh = torch.cat(rows)[:, None].float() * inv_freq
+    fw = torch.cat(cols)[:, None].float() * inv_freq
+    half = torch.cat([fh, fw], dim=-1)
+    angles = torch.cat([half, half], dim=-1).to(device)
+    return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+
+
 class VisionTransformer(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.merge = cfg.spatial_merge_size
         self.head_dim = cfg.embed_dim // cfg.num_heads
         self.rope_theta = cfg.rope_theta
-        self.patch_embed = PatchEmbed(cfg)
+        self.patch_embed = PatchEmbed(cfg.in_channels, cfg.embed_dim, cfg.temporal_patch_size, cfg.patch_size)
         self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg)
-
-    def rope(
-        self, grids: Sequence[tuple[int, int, int]], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (patches, 1, head_dim) of the 2-D rotary: the first half of each half of the
-        head rotates by the patch's row, the second by its column (one frequency set for both)."""
-        m = self.merge
-        rows: list[torch.Tensor] = []
-        cols: list[torch.Tensor] = []
-        for t, h, w in grids:
-            hh, ww = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-            # the processor's order: merge blocks row-major, then the patches inside a block
-            hh = hh.reshape(h // m, m, w // m, m).transpose(1, 2).flatten()
-            ww = ww.reshape(h // m, m, w // m, m).transpose(1, 2).flatten()
-            rows.append(hh.repeat(t))
-            cols.append(ww.repeat(t))
-        quarter = self.head_dim // 2
-        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter))
-        fh = torch.cat(rows)[:, None].float() * inv_freq
-        fw = torch.cat(cols)[:, None].float() * inv_freq
-        half = torch.cat([fh, fw], dim=-1)
-        angles = torch.cat([half, half], dim=-1).to(device)
-        return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
 
     def forward(self, patches: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
         """patches (sum of t*h*w, 3 * t_patch * p * p), their images' patch grids -> one vector
         of the text width per merged patch (sum of t*h*w / merge**2, hidden)."""
         x = self.patch_embed(patches)
-        rope = self.rope(grids, x.device)
+        rope = vision_rope(grids, self.merge, self.head_dim, self.rope_theta, x.device)
         spans = [h * w for t, h, w in grids for _ in range(t)]  # each frame attends to itself
         for block in self.blocks:
             x = block(x, rope, spans)
@@ -264,7 +270,12 @@ class CausalLM(base.CausalLM):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__(config, max_positions, qwen2.DecoderLayer)
         self.rotary = MRopeRotary(config, max_positions)
-        self.visual = VisionTransformer(config.vision)
+        self.visual: nn.Module = self.vision_tower(config)
+
+    @staticmethod
+    def vision_tower(config: ModelConfig) -> nn.Module:
+        """The family's vision tower (`visual.` in the checkpoint)."""
+        return VisionTransformer(config.vision)
 
     @property
     def spatial_merge_size(self) -> int:
@@ -280,8 +291,8 @@ class CausalLM(base.CausalLM):
         grids (images, 3) -> one text-space embedding per image token, in order."""
         assert grid_thw is not None, "qwen2_vl needs each image's patch grid"
         grids = [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
-        visual = self.visual
-        return visual(pixels.to(visual.merger.ln_q.weight.dtype), grids)  # type: ignore[no-any-return]
+        dtype = next(self.visual.parameters()).dtype
+        return self.visual(pixels.to(dtype), grids)  # type: ignore[no-any-return]
 
     def forward(
         self,

@@ -2,10 +2,11 @@
 
 One `Engine` (one model runner, one KV cache, one scheduler with its FIFO line) per loaded
 model. `run_completion` submits to it and waits: concurrent requests are batched into the same
-engine steps and share cached prompt prefixes. A vision family (`idefics3`) gets a `VisionSpec`:
-a request's images are decoded, preprocessed and spliced into its prompt on the request's worker
-thread (`submit_completion` returns None for them), encoded on the engine thread when their
-tokens are first due (`turbospark.engine.vision`); other models refuse images by name.
+engine steps and share cached prompt prefixes. A vision family (`idefics3`, `qwen2_vl`,
+`qwen2_5_vl`) gets a `VisionSpec`: a request's images are decoded, preprocessed and spliced into
+its prompt on the request's worker thread (`submit_completion` returns None for them), encoded on
+the engine thread when their tokens are first due (`turbospark.engine.vision`); other models
+refuse images by name.
 
 The context a model serves is its own (`max_position_embeddings`), bounded by the KV-cache budget
 (`kv_cache_gb`; by default a share of free memory) and lowered by `max_context` when given.
@@ -157,7 +158,7 @@ class RealChatModel(ChatModelDefaults):
         spec = self._vision
         if spec is None:
             return None
-        return VisionInfo(max_pixels=spec.processor.longest_edge**2, image_token=spec.image_token)
+        return VisionInfo(max_pixels=spec.processor.max_pixels, image_token=spec.image_token)
 
     def sampling_defaults(self) -> SamplingDefaults:
         """The sampler settings the checkpoint recommends (generation_config.json or GGUF metadata)."""
@@ -517,22 +518,37 @@ def attach_disk_cache(
 
 
 def _vision_spec(model: Model, source: str, tokenizer: Tokenizer) -> VisionSpec | None:
-    """How a vision family's checkpoint reads images (its folder's preprocessor_config.json);
-    None for a text model."""
+    """How a vision family's checkpoint reads images (its folder's preprocessor_config.json, read
+    by the family's image processor); None for a text model."""
     if not hasattr(model, "encode_images"):
         return None
     from pathlib import Path
 
-    from turbospark.engine.vision import Idefics3ImageProcessor, VisionSpec
+    from turbospark.engine.models import qwen2_vl
+    from turbospark.engine.vision import Idefics3ImageProcessor, Qwen2VLImageProcessor, VisionSpec
 
-    folder = Path(source)
-    image_id = tokenizer.token_to_id("<image>")
-    if image_id is None:
+    path = Path(source)
+    folder = path if path.is_dir() else path.parent
+    if isinstance(model, qwen2_vl.CausalLM):  # Qwen2-VL and Qwen2.5-VL
+        token = "<|image_pad|>"
+        image_id = model.image_token_id
+        if tokenizer.token_to_id(token) != image_id:
+            raise ValueError(f"{source}: {token} in tokenizer.json is not image_token_id {image_id}")
+        processor = Qwen2VLImageProcessor.from_folder(folder)
+        merge = model.spatial_merge_size
+        if processor.merge_size != merge:
+            raise ValueError(
+                f"{source}: preprocessor_config.json merges {processor.merge_size} patches per side, the "
+                f"vision tower {merge}"
+            )
+        return VisionSpec(processor=processor, image_token=token, image_token_id=image_id)
+    marker = tokenizer.token_to_id("<image>")
+    if marker is None:
         raise ValueError(f"{source}: the tokenizer has no <image> token")
     return VisionSpec(
-        processor=Idefics3ImageProcessor.from_folder(folder if folder.is_dir() else folder.parent),
+        processor=Idefics3ImageProcessor.from_folder(folder),
         image_token="<image>",
-        image_token_id=image_id,
+        image_token_id=marker,
         seq_len=int(model.image_seq_len),  # type: ignore[attr-defined]
     )
 

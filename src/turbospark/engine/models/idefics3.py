@@ -224,9 +224,10 @@ class CausalLM(base.CausalLM):
         return self.config.image_seq_len  # type: ignore[no-any-return]
 
     @torch.inference_mode()
-    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+    def encode_images(self, pixels: torch.Tensor, grid_thw: torch.Tensor | None = None, /) -> torch.Tensor:
         """Tiles (frames, 3, S, S) -> one text-space embedding per `<image>` token,
-        (frames * image_seq_len, hidden), in the tiles' order."""
+        (frames * image_seq_len, hidden), in the tiles' order (`grid_thw`: unused, every tile
+        has one shape)."""
         model = self.model
         assert isinstance(model, Idefics3Model)
         vision = model.vision_model

@@ -86,19 +86,13 @@ class VisionMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))  # type: ignore[no-any-return]
 
 
-class VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
-        super().__init__()
-        self.norm1 = VisionRMSNorm(cfg.hidden_size)
-        self.norm2 = VisionRMSNorm(cfg.hidden_size)
-        self.attn = qwen2_vl.VisionAttention(cfg.hidden_size, cfg.num_heads)
-        self.mlp = VisionMLP(cfg)
-
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], spans: Sequence[int]
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope, spans)
-        return x + self.mlp(self.norm2(x))  # type: ignore[no-any-return]
+def vision_block(cfg: VisionConfig) -> qwen2_vl.VisionBlock:
+    return qwen2_vl.VisionBlock(
+        VisionRMSNorm(cfg.hidden_size),
+        VisionRMSNorm(cfg.hidden_size),
+        qwen2_vl.VisionAttention(cfg.hidden_size, cfg.num_heads),
+        VisionMLP(cfg),
+    )
 
 
 class PatchMerger(nn.Module):
@@ -144,7 +138,7 @@ class VisionTransformer(nn.Module):
         self.patch_embed = qwen2_vl.PatchEmbed(
             cfg.in_channels, cfg.hidden_size, cfg.temporal_patch_size, cfg.patch_size
         )
-        self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
+        self.blocks = nn.ModuleList([vision_block(cfg) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg)
 
     def forward(self, patches: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:

@@ -192,12 +192,21 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    """A pre-norm residual block of the vision tower: its parts given (the two Qwen VL towers
+    differ in the norm and the MLP, not in how a block runs them)."""
+
+    def __init__(self, norm1: nn.Module, norm2: nn.Module, attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
-        self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
-        self.attn = VisionAttention(cfg.embed_dim, cfg.num_heads)
-        self.mlp = VisionMLP(cfg)
+        self.norm1, self.norm2, self.attn, self.mlp = norm1, norm2, attn, mlp
+
+    @classmethod
+    def of(cls, cfg: VisionConfig) -> VisionBlock:
+        return cls(
+            nn.LayerNorm(cfg.embed_dim, eps=1e-6),
+            nn.LayerNorm(cfg.embed_dim, eps=1e-6),
+            VisionAttention(cfg.embed_dim, cfg.num_heads),
+            VisionMLP(cfg),
+        )
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], spans: Sequence[int]
@@ -252,7 +261,7 @@ class VisionTransformer(nn.Module):
         self.head_dim = cfg.embed_dim // cfg.num_heads
         self.rope_theta = cfg.rope_theta
         self.patch_embed = PatchEmbed(cfg.in_channels, cfg.embed_dim, cfg.temporal_patch_size, cfg.patch_size)
-        self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
+        self.blocks = nn.ModuleList([VisionBlock.of(cfg) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg)
 
     def forward(self, patches: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:

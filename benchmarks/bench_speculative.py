@@ -228,6 +228,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=700)
     parser.add_argument("--num-speculative-tokens", type=int, default=SpeculativeConfig().num_tokens)
     parser.add_argument("--max-batch", type=int, default=SpeculativeConfig().max_batch)
+    parser.add_argument(
+        "--max-rows",
+        type=int,
+        default=None,
+        help="rows a speculating step may feed (default: as serve, 8 on the CPU, none on a GPU; 0: none)",
+    )
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--draft-model", default=None, help="mode 'draft' drafts with this model")
@@ -248,6 +254,7 @@ def main() -> None:
         )
         draft_runner = draft.runner
     engine = backend.engine
+    max_rows = args.max_rows if args.max_rows is not None else (8 if args.device == "cpu" else 0)
     recorded: dict[str, dict[str, list[int]]] = {}
     if args.replay:
         with open(args.replay) as f:
@@ -293,6 +300,7 @@ def main() -> None:
                                 draft_model=args.draft_model,
                                 num_tokens=args.num_speculative_tokens,
                                 max_batch=args.max_batch,
+                                max_rows=max_rows or None,
                             ),
                             model=args.model,
                         )
@@ -300,7 +308,10 @@ def main() -> None:
                     elif mode != "off":
                         speculator = Speculator(
                             SpeculativeConfig(
-                                method=mode, num_tokens=args.num_speculative_tokens, max_batch=args.max_batch
+                                method=mode,
+                                num_tokens=args.num_speculative_tokens,
+                                max_batch=args.max_batch,
+                                max_rows=max_rows or None,
                             ),
                             model=args.model,
                         )

@@ -380,3 +380,26 @@ def test_seeded_sampled_requests_never_speculate_unseeded_and_greedy_ones_do() -
         engine = spec_engine(model, speculator, num_blocks=128, max_active=4, max_batched_tokens=64)
         run_all(engine, requests, [config] * len(requests))
         assert (speculator.num_proposed > 0) is speculates, config
+
+
+def test_a_row_bound_shares_the_spare_rows_among_decoding_sequences() -> None:
+    """`max_rows` (on the CPU, the rows of one native pass): the decoding sequences and their
+    drafts never exceed it; unbounded, each sequence gets its k."""
+
+    def drafts(max_rows: int | None, num: int) -> list[int]:
+        speculator = Speculator(SpeculativeConfig(num_tokens=5, max_batch=8, max_rows=max_rows))
+        speculator.proposer = AlwaysProposer()
+        seqs = []
+        for i in range(num):
+            config = GenerationConfig(max_new_tokens=50)
+            seq = Sequence(i, [3, 4, 5, 6], 3, config, 50, NEVER_CANCEL, torch.Generator())
+            seq.num_computed_tokens = 3  # one token to feed: decoding
+            seqs.append(seq)
+        speculator.propose(seqs, max_context=128)
+        return [len(s.draft_ids) for s in seqs]
+
+    assert drafts(None, 3) == [5, 5, 5]
+    assert drafts(8, 1) == [5]
+    assert drafts(8, 2) == [5, 1]
+    assert drafts(8, 4) == [4, 0, 0, 0]
+    assert drafts(8, 8) == [0] * 8

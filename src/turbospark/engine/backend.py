@@ -23,6 +23,7 @@ float32 for a float path on CPU and bfloat16 on CUDA.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 from collections.abc import Sequence
@@ -45,6 +46,7 @@ from turbospark.backend import (
     Submission,
     VisionInfo,
 )
+from turbospark.engine import row_kernels
 from turbospark.engine.engine import Delivery, Engine, StepRunner
 from turbospark.engine.memory import fix_mmap_threshold, release_freed_memory, weight_stats
 from turbospark.engine.models import Model
@@ -128,6 +130,8 @@ class RealChatModel(ChatModelDefaults):
             if tensor_parallel is not None:  # the workers' step message carries no draft logits
                 log.info("%s: speculative decoding is off under tensor parallelism", model_id)
             else:
+                if self._runner.device.type == "cpu" and speculative.max_rows is None:
+                    speculative = dataclasses.replace(speculative, max_rows=row_kernels.DECODE_GROUP)
                 speculator = Speculator(speculative, model=model_id)
         self.engine = Engine(
             step_runner,

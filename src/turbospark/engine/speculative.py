@@ -32,6 +32,9 @@ vLLM's and llama.cpp's are tied to their engines): dicts from n-gram to its last
 extended by the tokens appended since the last step, so a lookup costs O(max_n) whatever the
 context length.
 
+A step's drafts may be bounded in rows (`max_rows`, on the CPU the rows one pass of the native
+kernels reads each weight for): then the decoding sequences share what is left of them in turn.
+
 Adaptive k: each sequence starts at `num_tokens` and after each verification moves to one more
 than the drafts it got accepted (all accepted: k grows); a proposal rejected outright backs the
 sequence off (no proposals for 1, 2, 4 ... up to 32 steps), so text that does not repeat its
@@ -94,6 +97,10 @@ class SpeculativeConfig:
     draft_model: str | None = None  # method "draft": the model that drafts (same tokenizer)
     num_tokens: int = 5  # a verification of 6 rows runs as 6 decode rows: about one step's cost
     max_batch: int = 4  # decoding sequences above which a step does not speculate
+    # rows (decoding sequences plus their drafts) a speculating step may feed; None: no bound.
+    # On the CPU the native kernels read each weight once per 8 rows (`row_kernels.DECODE_GROUP`):
+    # drafts beyond the rows of one pass would cost another pass each step they are made
+    max_rows: int | None = None
     min_n: int = 2
     max_n: int = 5
     max_suffix_tokens: int = 65536  # tokens of earlier responses the suffix index holds
@@ -333,7 +340,10 @@ class Speculator:
             seq.draft_ids = []
         if len(decoding) > self.config.max_batch:
             return
+        spare = None if self.config.max_rows is None else self.config.max_rows - len(decoding)
         for seq in decoding:
+            if spare is not None and spare <= 0:
+                break
             if seq.config.processors or seq.cancel.is_set() or _seeded_draws(seq):
                 continue
             state = seq.speculation
@@ -344,10 +354,12 @@ class Speculator:
                 continue
             # the drafts and the token after them must fit the request's budget and the context
             room = min(seq.max_new_tokens - seq.num_generated - 1, max_context - seq.num_tokens)
-            k = min(state.k, room)
+            k = min(state.k, room, spare if spare is not None else room)
             if k <= 0:
                 continue
             seq.draft_ids = self.proposer.propose(seq, k)[:k]
+            if spare is not None:
+                spare -= len(seq.draft_ids)
 
     def observe(
         self,

@@ -115,3 +115,17 @@ def test_starts_a_server_when_none_answers_and_stops_it_after(tmp_path: Path) ->
     assert "claude-turbospark-scripted" in ids
     with pytest.raises(OSError):  # stopped with the agent
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+def test_codex_command_points_at_the_server_and_turns_off_what_reaches_out() -> None:
+    from turbospark.launch import agent_command
+
+    argv = agent_command("codex", "codex", "http://127.0.0.1:8000", "qwen2.5-coder:0.5b", {}, context=32768)
+    overrides = argv[2::2]
+    assert argv[0] == "codex" and set(argv[1::2]) == {"-c"}
+    assert 'model="qwen2.5-coder:0.5b"' in overrides and 'model_provider="turbospark"' in overrides
+    assert any('base_url = "http://127.0.0.1:8000/v1"' in o for o in overrides)
+    # no plugin marketplace clone from github, no analytics, no update check
+    for off in ("features.plugins=false", "features.remote_plugin=false", "analytics.enabled=false"):
+        assert off in overrides
+    assert "model_context_window=32768" in overrides

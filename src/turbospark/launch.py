@@ -113,6 +113,10 @@ def agent_command(
         "analytics.enabled=false",
         "feedback.enabled=false",
         "check_for_update_on_startup=false",
+        # plugins: at start Codex clones github.com/openai/plugins and asks api.github.com; a
+        # local model needs neither, and a machine offline would wait on them
+        "features.plugins=false",
+        "features.remote_plugin=false",
     ]
     if context > 0:
         overrides += [

@@ -88,6 +88,10 @@ enabled = false
 [feedback]
 enabled = false
 
+[features]
+plugins = false
+remote_plugin = false
+
 [model_providers.turbospark]
 name = "turbospark"
 base_url = "{base_url}/v1"

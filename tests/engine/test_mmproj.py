@@ -183,14 +183,22 @@ def test_mmproj_beside_the_model_is_found_and_logged(
 
 
 def test_several_mmproj_files_beside_the_model_are_refused_by_name(folder: Path, tmp_path: Path) -> None:
-    text, _ = tiny_gguf_vlm.write_pair(folder, tmp_path)
-    other = tmp_path / "mmproj-SmolVLM-tiny-F16.gguf"
-    tiny_gguf_vlm.write_mmproj(folder, other, weight_type=tiny_gguf_vlm.F16)
+    text, proj = tiny_gguf_vlm.write_pair(folder, tmp_path)
+    f32 = proj.rename(tmp_path / "mmproj-F32.gguf")  # named after their type only
+    f16 = tmp_path / "mmproj-F16.gguf"
+    tiny_gguf_vlm.write_mmproj(folder, f16, weight_type=tiny_gguf_vlm.F16)
     with pytest.raises(
-        ModelLoadError, match=r"several mmproj files.*mmproj-SmolVLM-tiny-F16\.gguf.*--mmproj"
+        ModelLoadError,
+        match=r"several mmproj files beside it \(mmproj-F16\.gguf, mmproj-F32\.gguf\).*--mmproj",
     ):
         load_checkpoint(str(text), progress=False)
-    assert load_checkpoint(str(text), progress=False, mmproj=other).mmproj == str(other)
+    assert load_checkpoint(str(text), progress=False, mmproj=f16).mmproj == str(f16)
+    # a flat folder of several models: the one named as the converter names it,
+    # mmproj-<model file>, is the model's
+    own = tmp_path / f"mmproj-{text.name}"
+    tiny_gguf_vlm.write_mmproj(folder, own)
+    assert load_checkpoint(str(text), progress=False).mmproj == str(own)
+    assert f32.is_file()
 
 
 def _refused(folder: Path, tmp_path: Path, **mmproj: object) -> str:

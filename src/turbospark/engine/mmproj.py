@@ -90,14 +90,20 @@ def is_mmproj_name(path: Path) -> bool:
 
 
 def find_mmproj(model: Path) -> Path | None:
-    """The `mmproj*.gguf` file beside a model GGUF, or None; several are refused by name (which
-    one belongs to the model is for --mmproj to say)."""
+    """The `mmproj*.gguf` file beside a model GGUF, or None. With several there, the one named
+    after the model as llama.cpp's converter names them (mmproj-<model file>) is taken; otherwise
+    they are refused by name (which one belongs to the model is for --mmproj to say)."""
     folder = model.parent
     try:
         beside = sorted(p for p in folder.iterdir() if is_mmproj_name(p) and p.is_file() and p != model)
     except OSError:
         return None
     if len(beside) > 1:
+        named = [
+            p for p in beside if p.name.lower()[len(MMPROJ_PREFIX) :].lstrip("-_.") == model.name.lower()
+        ]
+        if len(named) == 1:
+            return named[0]
         names = ", ".join(p.name for p in beside)
         raise ModelLoadError(
             f"{model}: several mmproj files beside it ({names}); name the one to use with --mmproj"

@@ -293,3 +293,15 @@ def test_a_server_on_the_gguf_pair_answers_as_on_the_folder(hf: RealChatModel, g
 
     text = ask(gguf)
     assert text and text == ask(hf)
+
+
+def test_the_disk_cache_fingerprint_names_the_mmproj(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    # image tokens' KV depends on the tower: another mmproj must not read this one's blocks
+    from turbospark.engine.disk_cache import fingerprint
+
+    text, proj = pair
+    k = torch.zeros(2, 4, 16, 8)
+    assert fingerprint(str(text), k, 16, (str(proj),)) != fingerprint(str(text), k, 16)
+    backend = _load(text, mmproj=str(proj), disk_cache_gb=0.01, disk_cache_dir=str(tmp_path))
+    kv = backend.runner.kv_cache
+    assert (tmp_path / fingerprint(str(text), kv.k, kv.block_size, (str(proj),))).is_dir()

@@ -428,6 +428,7 @@ def load_backend(
         name = DEFAULT_MODEL if spec.strip() in ("", DEFAULT_MODEL) else ckpt.name
         sampling = ckpt.sampling
         source = ckpt.source
+        extra_weights = (ckpt.mmproj,) if ckpt.mmproj else ()
         vision = _vision_spec(model, source, tokenizer, ckpt.preprocessor)
         del ckpt  # the float checkpoint tensors are no longer needed once the model holds its own
         release_freed_memory()
@@ -450,7 +451,7 @@ def load_backend(
         if speculative is not None and speculative.draft_model is not None:
             attach_draft(backend, speculative.draft_model, device=device, dtype=dtype, quant=quant)
         if disk_cache_gb > 0:
-            attach_disk_cache(backend, source, disk_cache_gb, disk_cache_dir)
+            attach_disk_cache(backend, source, disk_cache_gb, disk_cache_dir, extra_weights)
         return backend
     except BaseException:
         if group is not None:
@@ -504,9 +505,14 @@ def attach_draft(
 
 
 def attach_disk_cache(
-    backend: RealChatModel, source: str, size_gb: float, root: str | Path | None = None
+    backend: RealChatModel,
+    source: str,
+    size_gb: float,
+    root: str | Path | None = None,
+    extra_weights: tuple[str, ...] = (),
 ) -> None:
-    """Gives the backend's prefix cache a disk store under `root` (see load_backend)."""
+    """Gives the backend's prefix cache a disk store under `root` (see load_backend);
+    `extra_weights`: weight files besides `source` (an mmproj) that its fingerprint names too."""
     if backend.tensor_parallel is not None:
         log.info("%s: the disk prefix cache is off under tensor parallelism", backend.model_id)
         return
@@ -515,7 +521,7 @@ def attach_disk_cache(
 
     kv = backend.runner.kv_cache
     base = Path(root).expanduser() if root else cache_dir() / "prefix-cache"
-    folder = base / fingerprint(source, kv.k, kv.block_size)
+    folder = base / fingerprint(source, kv.k, kv.block_size, extra_weights)
     store = DiskBlockStore(folder, kv.k, kv.v, kv.block_size, int(size_gb * 2**30))
     backend.runner.block_manager.store = store
     log.info(

@@ -27,7 +27,7 @@ Families (projector types) read here:
     `clip.vision.projector.scale_factor`, then `mm.model.fc.weight` (no bias), the HF
     `model.connector.modality_projection.proj.weight`. The image processor is transformers'
     Idefics3 one (`vision.Idefics3ImageProcessor`), which llama.cpp's idefics3 preprocessor
-    reproduces: tiles of `image_size`, the longest edge first resized to
+    follows: tiles of `image_size`, the longest edge first resized to
     `clip.vision.preproc_image_size` (the folder's size.longest_edge), LANCZOS, always split into
     tiles plus the global image (the format has no switch for splitting, and llama.cpp always
     splits), rescaled by 1/255 (no key; the value every SmolVLM uses) and normalized by the

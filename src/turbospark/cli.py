@@ -104,9 +104,20 @@ def load_model(spec: str, args: argparse.Namespace, rate: RateControl | None = N
         disk_cache_gb=disk_cache_gb(args),
         disk_cache_dir=getattr(args, "prefix_cache_dir", None),
         piecewise_graphs=getattr(args, "piecewise_graphs", PIECEWISE_GRAPHS),
+        mmproj=mmproj_for(spec, args),
     )
     enable_step_profile(backend, args)
     return backend
+
+
+def mmproj_for(spec: str, args: argparse.Namespace) -> str | None:
+    """--mmproj goes with the first --model (other GGUF models find an mmproj*.gguf beside them)."""
+    mmproj = getattr(args, "mmproj", None)
+    models = getattr(args, "model", None) or []
+    if not mmproj:
+        return None
+    first = models[0] if isinstance(models, list) and models else models
+    return str(mmproj) if spec == first else None
 
 
 def enable_step_profile(backend: Backend, args: argparse.Namespace) -> None:
@@ -572,6 +583,12 @@ def parser() -> argparse.ArgumentParser:
         help="a GGUF path, a Hugging Face folder or cached id, a pulled name (qwen2.5-coder:0.5b), "
         "'scripted' (a demo backend with no weights), 'smollm2' (the embedded default) or "
         "'all-minilm-l6-v2' (the packaged embedding model); repeatable (default: both of those)",
+    )
+    s.add_argument(
+        "--mmproj",
+        metavar="FILE",
+        help="the llama.cpp vision projector (mmproj GGUF) of the first --model GGUF, so it reads "
+        "images; without it an mmproj*.gguf beside a model's GGUF is used",
     )
     s.add_argument("--fallback-model", help="serve requests for unknown model ids with this model")
     s.add_argument(

@@ -5,7 +5,8 @@ Entries come from (first name wins):
   - the packaged models (`smollm2`, `all-minilm-l6-v2`) whose packages are installed;
   - the pulled models (`turbospark pull` / `/api/pull`), once a verified file is there;
   - every `--model-dir DIR`: each `*.gguf` file (named by its stem), each sub-folder holding a
-    Hugging Face checkpoint (config.json) or one GGUF file (named by the folder);
+    Hugging Face checkpoint (config.json) or one GGUF file (named by the folder); llama.cpp
+    `mmproj*.gguf` files are no models of their own (the model beside one loads it);
   - copies (`/api/copy`, `turbospark cp`): another name for an entry, kept in `aliases.json`
     under the cache directory, so they outlive the server.
 Models that can be pulled but are not yet are `pullable()`, not entries: a request for one is a
@@ -99,10 +100,16 @@ def _dir_models(folder: Path) -> Iterable[tuple[str, Path]]:
     if not folder.is_dir():
         log.warning("--model-dir %s: not a folder", folder)
         return
+    from turbospark.engine.mmproj import is_mmproj_name
+
     for item in sorted(folder.iterdir()):
         if item.is_file() and item.suffix == ".gguf":
-            yield item.stem, item
-        elif item.is_dir() and ((item / "config.json").is_file() or len(list(item.glob("*.gguf"))) == 1):
+            if not is_mmproj_name(item):  # a vision projector goes with the model beside it
+                yield item.stem, item
+        elif item.is_dir() and (
+            (item / "config.json").is_file()
+            or len([p for p in item.glob("*.gguf") if not is_mmproj_name(p)]) == 1
+        ):
             yield item.name, item
 
 

@@ -320,8 +320,13 @@ def load_backend(
     disk_cache_dir: str | None = None,
     piecewise_graphs: bool = True,
     kv_sequences: int | None = None,
+    mmproj: str | None = None,
+    find_mmproj: bool = True,
 ) -> RealChatModel:
     """Loads a checkpoint (path, hub-cache id or bundled name) and returns its backend.
+
+    `mmproj`: a GGUF model's llama.cpp vision projector file (`turbospark.engine.mmproj`); without
+    it, and with `find_mmproj`, an `mmproj*.gguf` beside the model file is used.
 
     `disk_cache_gb` > 0 keeps the prefix cache's blocks on disk too, up to that size (under
     `disk_cache_dir`, default the cache folder's prefix-cache/), so a restarted server reads a
@@ -355,6 +360,10 @@ def load_backend(
         threads = set_intra_op_threads()
         log.info("%s; %d intra-op threads", cpu_kernels().describe(), threads)
     load_kwargs: dict[str, Any] = {"progress": progress}
+    if mmproj:
+        load_kwargs["mmproj"] = mmproj
+    if not find_mmproj:
+        load_kwargs["find_mmproj"] = False
     load_dtype = torch.bfloat16 if quant is not None else torch_dtype
     if load_dtype != torch.float32 and "dtype" in inspect.signature(load_checkpoint).parameters:
         # a GGUF dequantizes straight to bf16 when the weights get quantized anyway (or when bf16
@@ -423,7 +432,8 @@ def load_backend(
         name = DEFAULT_MODEL if spec.strip() in ("", DEFAULT_MODEL) else ckpt.name
         sampling = ckpt.sampling
         source = ckpt.source
-        vision = _vision_spec(model, source, tokenizer)
+        extra_weights = (ckpt.mmproj,) if ckpt.mmproj else ()
+        vision = _vision_spec(model, source, tokenizer, ckpt.preprocessor)
         del ckpt  # the float checkpoint tensors are no longer needed once the model holds its own
         release_freed_memory()
         backend = RealChatModel(
@@ -445,7 +455,7 @@ def load_backend(
         if speculative is not None and speculative.draft_model is not None:
             attach_draft(backend, speculative.draft_model, device=device, dtype=dtype, quant=quant)
         if disk_cache_gb > 0:
-            attach_disk_cache(backend, source, disk_cache_gb, disk_cache_dir)
+            attach_disk_cache(backend, source, disk_cache_gb, disk_cache_dir, extra_weights)
         return backend
     except BaseException:
         if group is not None:
@@ -477,6 +487,7 @@ def attach_draft(
         progress=False,
         max_context=backend.max_context,
         kv_sequences=seqs,
+        find_mmproj=False,  # a draft proposes text only
     )
     same = draft.vocab_size == backend.vocab_size and draft.tokenizer.encode(
         DRAFT_PROBE
@@ -498,9 +509,14 @@ def attach_draft(
 
 
 def attach_disk_cache(
-    backend: RealChatModel, source: str, size_gb: float, root: str | Path | None = None
+    backend: RealChatModel,
+    source: str,
+    size_gb: float,
+    root: str | Path | None = None,
+    extra_weights: tuple[str, ...] = (),
 ) -> None:
-    """Gives the backend's prefix cache a disk store under `root` (see load_backend)."""
+    """Gives the backend's prefix cache a disk store under `root` (see load_backend);
+    `extra_weights`: weight files besides `source` (an mmproj) that its fingerprint names too."""
     if backend.tensor_parallel is not None:
         log.info("%s: the disk prefix cache is off under tensor parallelism", backend.model_id)
         return
@@ -509,7 +525,7 @@ def attach_disk_cache(
 
     kv = backend.runner.kv_cache
     base = Path(root).expanduser() if root else cache_dir() / "prefix-cache"
-    folder = base / fingerprint(source, kv.k, kv.block_size)
+    folder = base / fingerprint(source, kv.k, kv.block_size, extra_weights)
     store = DiskBlockStore(folder, kv.k, kv.v, kv.block_size, int(size_gb * 2**30))
     backend.runner.block_manager.store = store
     log.info(
@@ -521,9 +537,12 @@ def attach_disk_cache(
     )
 
 
-def _vision_spec(model: Model, source: str, tokenizer: Tokenizer) -> VisionSpec | None:
-    """How a vision family's checkpoint reads images (its folder's preprocessor_config.json, read
-    by the family's image processor); None for a text model."""
+def _vision_spec(
+    model: Model, source: str, tokenizer: Tokenizer, preprocessor: dict[str, Any] | None = None
+) -> VisionSpec | None:
+    """How a vision family's checkpoint reads images (its folder's preprocessor_config.json, or
+    `preprocessor` when the checkpoint brings its own, as a GGUF mmproj does, read by the
+    family's image processor); None for a text model."""
     if not hasattr(model, "encode_images"):
         return None
     from pathlib import Path
@@ -538,7 +557,11 @@ def _vision_spec(model: Model, source: str, tokenizer: Tokenizer) -> VisionSpec 
         image_id = model.image_token_id
         if tokenizer.token_to_id(token) != image_id:
             raise ValueError(f"{source}: {token} in tokenizer.json is not image_token_id {image_id}")
-        processor = Qwen2VLImageProcessor.from_folder(folder)
+        processor = (
+            Qwen2VLImageProcessor.from_config(preprocessor)
+            if preprocessor is not None
+            else Qwen2VLImageProcessor.from_folder(folder)
+        )
         merge = model.spatial_merge_size
         if processor.merge_size != merge:
             raise ValueError(
@@ -550,7 +573,9 @@ def _vision_spec(model: Model, source: str, tokenizer: Tokenizer) -> VisionSpec 
     if marker is None:
         raise ValueError(f"{source}: the tokenizer has no <image> token")
     return VisionSpec(
-        processor=Idefics3ImageProcessor.from_folder(folder),
+        processor=Idefics3ImageProcessor.from_config(preprocessor)
+        if preprocessor is not None
+        else Idefics3ImageProcessor.from_folder(folder),
         image_token="<image>",
         image_token_id=marker,
         seq_len=int(model.image_seq_len),  # type: ignore[attr-defined]

@@ -40,6 +40,10 @@ class LoadedCheckpoint:
     tokenizer_config: dict[str, Any]  # tokenizer_config.json style, plus "eos_token_ids"
     # the sampler settings the checkpoint recommends (generation_config.json, GGUF general.sampling.*)
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # a vision model's image processor settings (preprocessor_config.json style) when they come
+    # from elsewhere than the folder's preprocessor_config.json (a GGUF mmproj's metadata)
+    preprocessor: dict[str, Any] | None = None
+    mmproj: str | None = None  # the llama.cpp mmproj file the vision tower was read from
 
 
 log = logging.getLogger("turbospark.engine")

@@ -34,14 +34,16 @@ log = logging.getLogger("turbospark.engine")
 SUFFIX = ".kv"
 
 
-def fingerprint(source: str, k: torch.Tensor, block_size: int) -> str:
+def fingerprint(source: str, k: torch.Tensor, block_size: int, extra: tuple[str, ...] = ()) -> str:
     """A name for "KV computed by these weights, this way": files under another fingerprint are
     never read. The weights are named by path, size and modification time (hashing gigabytes
-    at every start would cost more than it guards)."""
+    at every start would cost more than it guards); `extra`: more weight files (a GGUF model's
+    mmproj, whose tower computes the image tokens' inputs)."""
     import turbospark
 
     path = Path(source)
     files = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.gguf")) if path.is_dir() else [path]
+    files += [Path(f) for f in extra]
     stats = []
     for f in files:
         try:

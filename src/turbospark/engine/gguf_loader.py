@@ -269,6 +269,11 @@ def build_config(gguf: GGUFFile) -> dict[str, Any]:
     arch = meta.get("general.architecture")
     if not isinstance(arch, str):
         raise ModelLoadError(f"{gguf.path}: no general.architecture in the GGUF metadata")
+    if arch == "clip":
+        raise ModelLoadError(
+            f"{gguf.path}: a llama.cpp mmproj file (a vision tower and projector), not a model: give the "
+            "text model's GGUF as the model and this file as --mmproj"
+        )
     if arch not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(SUPPORTED_ARCHITECTURES)
         raise ModelLoadError(f"{gguf.path}: unsupported architecture {arch!r} (supported: {supported})")

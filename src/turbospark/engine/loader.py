@@ -14,6 +14,8 @@ A spec is one of (tried in this order):
   - a path to a GGUF file, or to a Hugging Face checkpoint folder (config.json, *.safetensors,
     tokenizer.json, tokenizer_config.json);
   - a Hugging Face id ("org/name") found in the local Hugging Face cache; nothing is downloaded.
+A GGUF model may come with a llama.cpp `mmproj` file (its vision tower and projector): the one
+`mmproj` names, else an `mmproj*.gguf` beside the model file (see `turbospark.engine.mmproj`).
 Every failure raises `ModelLoadError` (`ModelNotFound` when nothing matches the spec), with a
 message naming the file and the problem.
 """
@@ -30,6 +32,7 @@ from turbospark.engine.checkpoint import LoadedCheckpoint as LoadedCheckpoint
 from turbospark.engine.checkpoint import ModelLoadError as ModelLoadError
 from turbospark.engine.checkpoint import ModelNotFound as ModelNotFound
 from turbospark.engine.checkpoint import cache_dir as cache_dir
+from turbospark.engine.checkpoint import log
 
 if TYPE_CHECKING:
     import torch
@@ -112,11 +115,18 @@ def _looks_like_repo_id(spec: str) -> bool:
     return len(parts) == 2 and all(parts) and not spec.startswith((".", "~")) and not spec.endswith(".gguf")
 
 
+def _model_ggufs(folder: Path) -> list[Path]:
+    """The GGUF files of a folder that are models (an mmproj beside them is not one)."""
+    from turbospark.engine.mmproj import is_mmproj_name
+
+    return sorted(p for p in folder.glob("*.gguf") if not is_mmproj_name(p))
+
+
 def _kind_of_path(path: Path) -> str:
     if path.is_dir():
         if (path / "config.json").is_file():
             return "hf"
-        ggufs = sorted(path.glob("*.gguf"))
+        ggufs = _model_ggufs(path)
         if len(ggufs) == 1:
             return "gguf"
         if ggufs:
@@ -154,7 +164,7 @@ def resolve_model_spec(spec: str) -> tuple[str, Path]:
         if path.is_dir() and (path / "config.json").is_file():
             return "hf", path
         if path.is_dir() and _kind_of_path(path) == "gguf":
-            return "gguf", next(path.glob("*.gguf"))
+            return "gguf", _model_ggufs(path)[0]
         if path.name == "config.json":
             return "hf", path.parent
         return _kind_of_path(path), path
@@ -174,13 +184,20 @@ def resolve_model_spec(spec: str) -> tuple[str, Path]:
 
 
 def load_checkpoint(
-    spec: str, *, progress: bool = True, dtype: torch.dtype | None = None
+    spec: str,
+    *,
+    progress: bool = True,
+    dtype: torch.dtype | None = None,
+    mmproj: str | Path | None = None,
+    find_mmproj: bool = True,
 ) -> LoadedCheckpoint:
     """Load the checkpoint a spec names (see the module docstring); raises ModelLoadError.
 
     `dtype` None: tensors as stored (safetensors, GGUF F32/F16/BF16) or float32 (quantized GGUF).
     A dtype such as torch.bfloat16 makes every floating tensor that dtype, which halves the
     memory of a quantized GGUF against float32.
+    `mmproj`: a GGUF model's llama.cpp vision projector file; without it (and with
+    `find_mmproj`) an `mmproj*.gguf` beside the model file is used, and the log says which.
     """
     from turbospark.engine import pull
 
@@ -198,13 +215,26 @@ def load_checkpoint(
         name = path.stem if kind == "gguf" else path.resolve().name
     if kind == "gguf":
         if path.is_dir():
-            path = next(path.glob("*.gguf"))
+            path = _model_ggufs(path)[0]
+        from turbospark.engine import mmproj as mm
         from turbospark.engine.gguf_loader import load_gguf
 
+        projector = Path(mmproj).expanduser() if mmproj else None
+        if projector is None and find_mmproj:
+            projector = mm.find_mmproj(path)
+            if projector is not None:
+                log.info("%s: using the vision projector %s found beside it", path.name, projector)
         ckpt = load_gguf(path, name=name, progress=progress, dtype=dtype)
         if spec in pull.PULLABLE:
             ckpt.sampling = ckpt.sampling.over(pull.PULLABLE[spec].sampling)
+        if projector is not None:
+            ckpt = mm.attach_mmproj(ckpt, projector, dtype)
         return ckpt
+    if mmproj:
+        raise ModelLoadError(
+            f"{path}: --mmproj {mmproj} goes with a GGUF model; a Hugging Face folder holds its own "
+            "vision tower"
+        )
     from turbospark.engine.hf_loader import load_hf_folder
 
     return load_hf_folder(path, name=name, progress=progress, dtype=dtype)

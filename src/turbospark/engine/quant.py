@@ -413,7 +413,12 @@ def is_on_int4_grid(weight: torch.Tensor, group_size: int = 32, max_rows: int = 
 
 def auto_quant(tensors: Mapping[str, torch.Tensor]) -> str:
     """int4 when the checkpoint's linear weights already lie on a 4-bit grid, else int8."""
-    probe = [tensors.get(f"model.layers.0.{name}.weight") for name in ("self_attn.q_proj", "mlp.gate_proj")]
+    # a vision model's text layers sit under its own prefix (Idefics3: model.text_model.)
+    prefix = next(
+        (p for p in ("model.", "model.text_model.") if f"{p}layers.0.self_attn.q_proj.weight" in tensors),
+        "model.",
+    )
+    probe = [tensors.get(f"{prefix}layers.0.{name}.weight") for name in ("self_attn.q_proj", "mlp.gate_proj")]
     if all(w is not None and is_on_int4_grid(w) for w in probe):
         return "int4"
     return "int8"

@@ -19,7 +19,7 @@ from turbospark.backend import (
     SamplingDefaults,
 )
 from turbospark.errors import ApiError
-from turbospark.plan import THINKING_BUDGETS, Plan, make_plan
+from turbospark.plan import THINKING_BUDGETS, Plan, brief_text, make_plan
 from turbospark.registry import ModelRegistry, ServedModel
 from turbospark.request import ChatRequest, Message, SamplingParams, Tool, ToolChoice, ToolChoiceMode
 from turbospark.scripted import ScriptedChatModel
@@ -64,6 +64,55 @@ def test_tool_prompt_follows_the_system_prompt_only_when_tools_are_declared() ->
     assert "Be long.\n\nCall one tool at a time." in own.prompt_text and "Be brief." not in own.prompt_text
     none = ToolChoice(mode=ToolChoiceMode.NONE)
     assert "Call one tool at a time." not in plan(reg, tools=[WEATHER], tool_choice=none).prompt_text
+
+
+LONG_TOOL = Tool(
+    "run_shell",
+    "# run_shell\n\nRuns a shell command and returns its output. The working directory persists "
+    "between calls.\n\nUsage notes:\n- Quote paths that contain spaces.\n- Never run interactive "
+    "commands.",
+    {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "type": "object",
+        "properties": {
+            "command": {"type": "string", "description": "The command to run. It runs in bash.\n\nMore."},
+            "description": {"type": "string", "description": "What the command does, in five words."},
+        },
+        "required": ["command"],
+    },
+)
+
+
+def test_brief_tool_descriptions_cut_what_the_model_reads_not_what_calls_are_held_to() -> None:
+    full = plan(registry(), tools=[LONG_TOOL])
+    brief = plan(registry(brief_tools=True), tools=[LONG_TOOL])
+    assert "Usage notes" in full.prompt_text and "Usage notes" not in brief.prompt_text
+    assert "Runs a shell command and returns its output. The working directory persists" in brief.prompt_text
+    assert "More." not in brief.prompt_text and "draft/2020-12" not in brief.prompt_text
+    # the parameter named "description" is kept as a parameter; its own description is cut to its lead
+    assert '"description": {"type": "string", "description": "What the command does, in five words."}' in (
+        brief.prompt_text
+    )
+    assert '"required": ["command"]' in brief.prompt_text
+    # the grammar and the validation see the tool as declared
+    assert brief.tools == [LONG_TOOL]
+    assert len(brief.prompt_text) < len(full.prompt_text)
+
+
+@pytest.mark.parametrize(
+    ("text", "limit", "lead"),
+    [
+        ("Reads a file.\n\nDetails follow.", 100, "Reads a file."),
+        ("# Heading\n\nSends a message.", 100, "Sends a message."),
+        ("- Stops a task by its ID\n- Takes a task_id", 100, "Stops a task by its ID"),
+        ("A wrapped\nparagraph.", 100, "A wrapped paragraph."),
+        ("First sentence. Second sentence is long.", 20, "First sentence."),
+        ("Usage: call it with care and nothing else", 20, "Usage: call it with..."),
+        ("", 10, ""),
+    ],
+)
+def test_brief_text_takes_a_descriptions_lead(text: str, limit: int, lead: str) -> None:
+    assert brief_text(text, limit) == lead
 
 
 def test_reasoning_effort_resolution() -> None:

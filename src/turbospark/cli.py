@@ -179,6 +179,7 @@ def served_model(spec: str, args: argparse.Namespace, rate: RateControl | None) 
         loop_guard=args.loop_guard,
         default_system=system,
         tool_prompt=getattr(args, "tool_prompt", None) or None,
+        brief_tools=getattr(args, "tool_descriptions", "full") == "brief",
         default_reasoning=ReasoningEffort(args.reasoning or ReasoningEffort.OFF),
         # None: the model's own recommendation, else the built-in truncation
         sampling=NO_SAMPLING_DEFAULTS if args.sampling_defaults == "none" else None,
@@ -619,6 +620,14 @@ def parser() -> argparse.ArgumentParser:
         metavar="TEXT",
         help="append TEXT to the system prompt of every request that declares tools (a short "
         "tool-use instruction for small models; benchmarks/bench_agent_tasks.py measures it)",
+    )
+    s.add_argument(
+        "--tool-descriptions",
+        choices=("full", "brief"),
+        default="full",
+        help="brief: the model reads each declared tool's description and parameter descriptions cut "
+        "to their first sentences (Claude Code's 24 tools are ~17,000 tokens in full); calls are still "
+        "held to the whole schema",
     )
     s.add_argument("--reasoning", choices=[e.value for e in ReasoningEffort], help="default reasoning effort")
     s.add_argument(

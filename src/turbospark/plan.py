@@ -118,14 +118,64 @@ def _args_obj(arguments: str) -> Any:
         return arguments
 
 
-def template_tools(tools: list[Tool]) -> list[dict[str, Any]]:
+def template_tools(tools: list[Tool], *, brief: bool = False) -> list[dict[str, Any]]:
+    """The tools as chat templates take them; `brief` (`serve --tool-descriptions brief`) cuts every
+    description to its lead (`brief_text`), the tool's and its parameters'."""
     return [
         {
             "type": "function",
-            "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
+            "function": {
+                "name": t.name,
+                "description": brief_text(t.description, BRIEF_TOOL_CHARS) if brief else t.description,
+                "parameters": _brief_schema(t.parameters) if brief else t.parameters,
+            },
         }
         for t in tools
     ]
+
+
+BRIEF_TOOL_CHARS = 300  # a tool's description, brief
+BRIEF_PARAMETER_CHARS = 120  # a parameter's
+_SENTENCE_END = re.compile(r"[.!?:](?=\s)")
+
+
+def brief_text(text: str, limit: int) -> str:
+    """The lead of a description: its first paragraph that is not a heading (of a list, the first
+    item), cut after the last sentence that ends within `limit` characters (or at a word
+    boundary, with an ellipsis, when none does)."""
+    paragraphs = (p.strip() for p in text.strip().split("\n\n"))
+    lead = next((p for p in paragraphs if p and not p.startswith("#")), "")
+    lines = [line.strip() for line in lead.splitlines() if line.strip()]
+    # of a list its first item, of a wrapped paragraph all of it
+    lead = lines[0].lstrip("-* ") if any(line[0] in "-*" for line in lines) else " ".join(lines)
+    if len(lead) <= limit:
+        return lead
+    ends = [m.end() for m in _SENTENCE_END.finditer(lead, 0, limit)]
+    if ends and lead[ends[-1] - 1] != ":":
+        return lead[: ends[-1]]
+    cut = lead.rfind(" ", 0, limit)
+    return lead[: cut if cut > 0 else limit].rstrip(" ,;:") + "..."
+
+
+def _brief_schema(schema: Any) -> Any:
+    """A copy of a JSON schema whose `description` strings are cut to their lead; the structure
+    (types, enums, required) is unchanged."""
+    if isinstance(schema, list):
+        return [_brief_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$schema":  # which draft: nothing the model acts on
+            continue
+        if key == "description" and isinstance(value, str):
+            out[key] = brief_text(value, BRIEF_PARAMETER_CHARS)
+        elif key == "properties" and isinstance(value, dict):
+            # property names are data, not schema keywords: a parameter called "description" stays
+            out[key] = {name: _brief_schema(sub) for name, sub in value.items()}
+        else:
+            out[key] = _brief_schema(value)
+    return out
 
 
 def callable_tools(request: ChatRequest) -> list[Tool]:
@@ -250,7 +300,7 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
             prompt_text = render_chat_template(
                 template,
                 template_messages(messages, as_parts=backend.vision() is not None and reads_parts(template)),
-                tools=template_tools(tools) if tools else None,
+                tools=template_tools(tools, brief=served.brief_tools) if tools else None,
                 add_generation_prompt=True,
                 bos_token=tokenizer.bos_token,
                 eos_token=tokenizer.eos_token,

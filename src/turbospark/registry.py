@@ -89,6 +89,9 @@ class ServedModel:
     default_system: str | None = None  # used only when a request has no system/developer message
     # appended to the system prompt of a request that declares tools (`serve --tool-prompt`)
     tool_prompt: str | None = None
+    # `serve --tool-descriptions brief`: the chat template sees each declared tool's description
+    # (and its parameters') cut to a short lead; the grammar and the validation keep the whole schema
+    brief_tools: bool = False
     default_reasoning: ReasoningEffort = ReasoningEffort.OFF
     default_seed: int | None = None  # used only when a request sets no seed
     # generated tokens over which an exact loop is broken (`sampling.loop_continuation`); 0: off

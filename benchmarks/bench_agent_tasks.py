@@ -82,6 +82,7 @@ class Task:
     prompt: str
     files: dict[str, str]
     check: Callable[[Path, Transcript], bool]
+    max_turns: int | None = None  # Claude Code's --max-turns; None: its own default
 
 
 def _run(folder: Path, *cmd: str) -> subprocess.CompletedProcess[str]:
@@ -323,6 +324,7 @@ def run_task(
         "--output-format",
         "stream-json",
         "--verbose",
+        *(["--max-turns", str(task.max_turns)] if task.max_turns else []),
         "--allowedTools",
         *ALLOWED_TOOLS,
     ]
@@ -378,8 +380,9 @@ def run_variant(name: str, serve_args: str, args: argparse.Namespace, tasks: lis
         if args.warm_up:
             # Claude Code's ~18,800-token system prompt and tools, prefilled once before the timed
             # tasks (the prefix cache then carries it): a first prefill of minutes on a small CPU
-            # would otherwise eat the first task's time limit
-            warm = Task("warm_up", "Reply with the word ready.", {}, lambda _w, _t: True)
+            # would otherwise eat the first task's time limit. One turn: a model that answers it with
+            # tool calls would otherwise go on calling tools for as long as the turn may last
+            warm = Task("warm_up", "Reply with the word ready.", {}, lambda _w, _t: True, max_turns=1)
             row = run_task(warm, name, args.model, proxy, server.url, Path(tmp), 3600.0)
             print(f"{name}: warm-up turn {row.wall_s:.0f} s, first TTFT {row.first_ttft_s} s", flush=True)
         for task in tasks:

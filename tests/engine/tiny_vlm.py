@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -58,14 +59,21 @@ SEQ_LEN = 16  # (64 / 8) ** 2 / 2 ** 2
 
 
 def tokenizer() -> Any:
-    """The packaged SmolLM2 tokenizer with SmolVLM's special tokens added."""
+    """The packaged SmolLM2 tokenizer with SmolVLM's special tokens added. A machine without the
+    model package (a GPU host the tests are copied to) names that tokenizer saved as JSON
+    (`tok.to_str()` of this function's `tok`) in TURBOSPARK_TEST_TOKENIZER instead."""
     import tokenizers
 
     from turbospark.engine.gguf_loader import GGUFFile
     from turbospark.engine.gguf_tokenizer import load_gguf_tokenizer
     from turbospark.engine.loader import default_model_path
 
-    tok, _ = load_gguf_tokenizer(GGUFFile(default_model_path()))
+    saved = os.environ.get("TURBOSPARK_TEST_TOKENIZER")
+    tok = (
+        tokenizers.Tokenizer.from_file(saved)
+        if saved
+        else load_gguf_tokenizer(GGUFFile(default_model_path()))[0]
+    )
     tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in SPECIALS])
     return tok
 

@@ -380,7 +380,11 @@ def load_backend(
     per_token = _kv_bytes_per_token(sizes, kv_dtype)
     if torch.device(device).type == "cuda":
         per_token //= tensor_parallel  # each GPU holds its ranks' kv heads in its own memory
-    budget = int(kv_cache_gb * 2**30) if kv_cache_gb else default_kv_cache_bytes(device)
+    if kv_cache_gb:
+        budget = int(kv_cache_gb * 2**30)
+    else:  # measured before the weights reach the device: their share is set aside
+        weights = sum(t.numel() for t in ckpt.tensors.values()) * torch_dtype.itemsize // tensor_parallel
+        budget = default_kv_cache_bytes(device, weights)
     if kv_sequences:  # room for that many full contexts, no more (a draft model's cache)
         budget = (
             per_token * -(-min(max_context or model_max, model_max) // BLOCK_SIZE) * BLOCK_SIZE * kv_sequences
@@ -589,14 +593,15 @@ def _kv_bytes_per_token(config: dict[str, Any], dtype: torch.dtype) -> int:
     return 2 * int(config["num_hidden_layers"]) * kv_heads * head_dim * dtype.itemsize
 
 
-def default_kv_cache_bytes(device: str) -> int:
-    """A fifth of the memory free now (at most 8 GiB) on CPU; 85% of free device memory on a GPU.
+def default_kv_cache_bytes(device: str, weight_bytes: int = 0) -> int:
+    """A fifth of the memory free now (at most 8 GiB) on CPU; on a GPU 85% of the device memory
+    free once the model's weights (`weight_bytes`, not loaded yet) are on it, at least 1 GiB.
 
     On CPU the cache is allocated untouched, so only blocks that hold tokens become resident.
     """
     if torch.device(device).type == "cuda":
         free, _ = torch.cuda.mem_get_info(torch.device(device))
-        return int(free * 0.85)
+        return max(int((free - weight_bytes) * 0.85), 2**30)
     available = 4 * 2**30
     with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
         for line in f:

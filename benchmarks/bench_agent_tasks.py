@@ -23,6 +23,7 @@ Claude Code runs with DISABLE_TELEMETRY=1, a throwaway HOME, and only the tools 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
@@ -263,6 +264,7 @@ class TaskRow:
     wall_s: float = 0.0
     error: str | None = None
     result: str = field(default="", repr=False)
+    tools: str = ""  # the tools called, with counts, most called first ("Read x3, Agent x1")
 
 
 def metric_sum(url: str, name: str, label: str = "") -> float:
@@ -343,6 +345,8 @@ def run_task(
     row.result = transcript.result[:300]
     row.turns = transcript.num_turns
     row.calls = len(transcript.tool_uses)
+    counts = collections.Counter(str(use.get("name")) for use in transcript.tool_uses)
+    row.tools = ", ".join(f"{name} x{n}" for name, n in counts.most_common())
     row.valid = sum(
         1
         for use in transcript.tool_uses
@@ -394,14 +398,14 @@ def run_variant(name: str, serve_args: str, args: argparse.Namespace, tasks: lis
 
 def table(rows: list[TaskRow]) -> str:
     head = f"{'variant':<14}{'task':<17}{'pass':>5}{'turns':>6}{'calls':>6}{'valid':>6}{'rej':>5}"
-    head += f"{'ttft1 s':>9}{'ttft2+ s':>9}{'wall s':>8}"
+    head += f"{'ttft1 s':>9}{'ttft2+ s':>9}{'wall s':>8}  tools called"
     lines = [head]
     for r in rows:
         first = "-" if r.first_ttft_s is None else f"{r.first_ttft_s:.1f}"
         later = "-" if r.later_ttft_s is None else f"{r.later_ttft_s:.1f}"
         lines.append(
             f"{r.variant:<14}{r.task:<17}{'yes' if r.passed else 'no':>5}{r.turns:>6}{r.calls:>6}{r.valid:>6}"
-            f"{r.rejected:>5}{first:>9}{later:>9}{r.wall_s:>8.0f}"
+            f"{r.rejected:>5}{first:>9}{later:>9}{r.wall_s:>8.0f}  {r.tools}"
         )
     for variant in dict.fromkeys(r.variant for r in rows):
         mine = [r for r in rows if r.variant == variant]

@@ -15,9 +15,11 @@ from turbospark.backend import (
     NO_SAMPLING_DEFAULTS,
     FinishReason,
     GenerationConfig,
+    ModelDetails,
     ReasoningEffort,
     SamplingDefaults,
 )
+from turbospark.cli import brief_tools
 from turbospark.errors import ApiError
 from turbospark.plan import THINKING_BUDGETS, Plan, brief_text, make_plan
 from turbospark.registry import ModelRegistry, ServedModel
@@ -97,6 +99,21 @@ def test_brief_tool_descriptions_cut_what_the_model_reads_not_what_calls_are_hel
     # the grammar and the validation see the tool as declared
     assert brief.tools == [LONG_TOOL]
     assert len(brief.prompt_text) < len(full.prompt_text)
+
+
+class SizedModel(ScriptedChatModel):
+    def __init__(self, num_parameters: int) -> None:
+        super().__init__(max_context=CONTEXT)
+        self.num_parameters = num_parameters
+
+    def details(self) -> ModelDetails:
+        return ModelDetails(num_parameters=self.num_parameters)
+
+
+def test_auto_tool_descriptions_are_brief_for_small_models_only() -> None:
+    small, large, unknown = SizedModel(494_000_000), SizedModel(7_600_000_000), SizedModel(0)
+    assert [brief_tools("auto", m) for m in (small, large, unknown)] == [True, False, False]
+    assert brief_tools("brief", large) and not brief_tools("full", small)
 
 
 @pytest.mark.parametrize(

@@ -4,10 +4,11 @@ qwen2.5-coder:0.5b` with no other flag, on this CPU. (The launcher uses a server
 its port as it is; that it starts one when none answers, and stops it after, is
 tests/test_launch.py's, with a stand-in agent: a second real first turn would cost minutes.)
 
-Claude Code's first request carries its system prompt and ~25 tool schemas (about 18,800 Qwen
-tokens); it gives up when no content chunk arrives within 300 s, so the first turn's prefill has
-to finish well inside that (`benchmarks/bench_agent.py` times it request by request). Later
-requests reuse the cached prefix.
+Claude Code's first request carries its system prompt and 24 tool schemas (18,755 Qwen tokens
+as sent; 7,089 as a model under 4B parameters reads them by default, each description cut to its
+lead: `serve --tool-descriptions auto`); it gives up when no content chunk arrives within 300 s,
+so the first turn's prefill has to finish well inside that (`benchmarks/bench_agent.py` times it
+request by request). Later requests reuse the cached prefix.
 
 The session asks for a shell command. Which tool a 0.5B model picks is its own choice (Claude
 Code samples, so it varies run to run). Since calls are held to the declared tools' schemas
@@ -48,7 +49,7 @@ LAUNCH = [sys.executable, "-m", "turbospark", "launch", "claude"]
 
 MODEL = "qwen2.5-coder:0.5b"
 MARKER = "turbospark-notes-4711"
-# generous: the first turn prefills ~18,800 tokens on two cores, the follow-ups are cached
+# generous: the first turn prefills ~7,100 tokens on two cores, the follow-ups are cached
 CLAUDE_TIMEOUT_S = 1200
 MAX_TURNS = 4  # tool rounds of the main session; a first turn and a few cached follow-ups
 

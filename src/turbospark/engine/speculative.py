@@ -76,8 +76,9 @@ from turbospark.sampling import (
 
 METHODS = ("ngram", "suffix", "off")
 # what `serve` runs without --speculative, per device kind: on the CPU, n-gram drafts verified
-# as decode rows pay 2.0-2.6x on agent-like edits and tool calls and lose nothing measured on free
-# text (benchmarks/RESULTS.md, an AVX2 EPYC); on CUDA not measured since: off
+# as decode rows pay 2.0-2.7x on agent-like edits and tool calls and lose at most 3% where nothing
+# matches (benchmarks/RESULTS.md: AVX2 and Zen 4 EPYCs). On CUDA batch 1 pays as much (2.34x on
+# edits, an H100 by replay), but the serving smoke A/B with it on is still to run: off
 DEFAULT_SPECULATIVE = {"cpu": "ngram", "cuda": "off"}
 
 

@@ -20,7 +20,8 @@ exist, as text. So the session is bounded (`--max-turns`, and no Agent tool: a s
 do not count toward that bound), and the test holds what is the server's: the session ends
 without an API error, every tool call Claude Code received passed its input validation (the
 transcript's tool results), and when the model ran `cat notes.txt` through Bash, the file's
-contents came back to it.
+contents came back to it (or, for a call it asked to run in the background, reached the output
+file Claude Code names in the result).
 
 The first turn took 244-262 s to its first token on a 2-core AVX2 machine, inside Claude Code's
 default 300 s stream-idle limit but not by much; the launcher raises that limit
@@ -32,8 +33,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -149,7 +152,25 @@ def test_claude_code_session_on_qwen_05b_with_default_flags(
     for use_id, use in uses.items():
         ran = outcomes.get(use_id)
         if use["name"] == "Bash" and "notes.txt" in str(use["input"]) and ran and not ran["is_error"]:
-            assert MARKER in ran["text"], ran
+            assert MARKER in command_output(use, ran), (use, ran)
+
+
+def command_output(use: dict[str, Any], ran: dict[str, Any]) -> str:
+    """What a Bash call printed: its result's text, or, for a call the model asked to run in the
+    background, the output file Claude Code names by task id under its temporary folder (the
+    result then says only where the output goes)."""
+    background = re.search(r"running in background with ID: (\w+)", ran["text"])
+    if not (isinstance(use["input"], dict) and use["input"].get("run_in_background") and background):
+        return str(ran["text"])
+    task_id = background.group(1)
+    deadline = time.monotonic() + 30  # `cat` is done at once; the file may trail the session by a moment
+    while True:
+        found = list(Path(tempfile.gettempdir()).glob(f"claude-*/**/tasks/{task_id}.output"))
+        if found or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(found) == 1, f"no output file for background task {task_id}: {ran['text']}"
+    return found[0].read_text(encoding="utf-8", errors="replace")
 
 
 def transcript(home: Path, session: str) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -302,7 +302,14 @@ def parse_transcript(stdout: str) -> Transcript:
 
 
 def run_task(
-    task: Task, variant: str, model: str, proxy: TimingProxy, server_url: str, base: Path, timeout: float
+    task: Task,
+    variant: str,
+    model: str,
+    proxy: TimingProxy,
+    server_url: str,
+    base: Path,
+    timeout: float,
+    transcripts: Path | None = None,
 ) -> TaskRow:
     row = TaskRow(variant, task.name)
     home, work = base / "home", base / "project"
@@ -341,6 +348,9 @@ def run_task(
         stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         row.error = f"timed out after {timeout:.0f} s"
     row.wall_s = round(time.monotonic() - started, 1)
+    if transcripts is not None:
+        transcripts.mkdir(parents=True, exist_ok=True)
+        (transcripts / f"{variant}-{task.name}.jsonl").write_text(stdout)
     transcript = parse_transcript(stdout)
     row.result = transcript.result[:300]
     row.turns = transcript.num_turns
@@ -390,7 +400,9 @@ def run_variant(name: str, serve_args: str, args: argparse.Namespace, tasks: lis
             row = run_task(warm, name, args.model, proxy, server.url, Path(tmp), 3600.0)
             print(f"{name}: warm-up turn {row.wall_s:.0f} s, first TTFT {row.first_ttft_s} s", flush=True)
         for task in tasks:
-            row = run_task(task, name, args.model, proxy, server.url, Path(tmp), args.timeout)
+            row = run_task(
+                task, name, args.model, proxy, server.url, Path(tmp), args.timeout, args.transcripts
+            )
             rows.append(row)
             print(json.dumps(asdict(row)), flush=True)
     return rows
@@ -430,6 +442,9 @@ def main() -> None:
     ap.add_argument("--tasks", help="comma-separated task names (default: all)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per task")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument(
+        "--transcripts", type=Path, help="write each task's Claude Code stream-json here (VARIANT-TASK.jsonl)"
+    )
     ap.add_argument(
         "--no-warm-up",
         dest="warm_up",

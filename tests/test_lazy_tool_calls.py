@@ -13,11 +13,11 @@ import pytest
 
 from corpus.support import family_tokenizer, summarize, trained_bpe_tokenizer
 from turbospark.generate import run_choice
-from turbospark.grammar import LazyToolCallProcessor, bare_trigger_state
-from turbospark.metrics import LAZY_TRIGGERS
+from turbospark.grammar import LazyToolCallProcessor, NoCallProcessor, bare_trigger_state
+from turbospark.metrics import LAZY_TRIGGERS, TOOL_STEERING
 from turbospark.plan import make_plan
 from turbospark.registry import ModelRegistry, ServedModel
-from turbospark.request import ChatRequest, Message, Tool, ToolChoice, ToolChoiceMode
+from turbospark.request import ChatRequest, Message, Tool, ToolCall, ToolChoice, ToolChoiceMode
 from turbospark.scripted import ScriptedChatModel
 from turbospark.tokenizer import Tokenizer
 from turbospark.toolcalls.guardrails import GuardrailConfig, check_arguments
@@ -54,7 +54,11 @@ def _tokenizers() -> list[Tokenizer]:
 
 
 def _run(
-    reply: str, tokenizer: Tokenizer, seed: int, guardrails: GuardrailConfig | None = None
+    reply: str,
+    tokenizer: Tokenizer,
+    seed: int,
+    guardrails: GuardrailConfig | None = None,
+    history: list[Message] | None = None,
 ) -> dict[str, Any]:
     registry = ModelRegistry()
     registry.add(
@@ -64,7 +68,7 @@ def _run(
     )
     request = ChatRequest(
         model="scripted",
-        messages=[Message(role="user", content="Run the shell command: cat notes.txt")],
+        messages=[Message(role="user", content="Run the shell command: cat notes.txt"), *(history or [])],
         max_tokens=300,
         tools=list(TOOLS.values()),
         tool_choice=ToolChoice(ToolChoiceMode.AUTO),
@@ -72,7 +76,7 @@ def _run(
     request.sampling.temperature = 1.0
     request.sampling.seed = seed
     plan = make_plan(request, registry)
-    lazy = [p for p in plan.config.processors if isinstance(p, LazyToolCallProcessor)]
+    lazy = [p for p in plan.config.processors if isinstance(p, LazyToolCallProcessor | NoCallProcessor)]
     if guardrails is None or guardrails.constrain_calls:
         assert len(lazy) == 1
     else:
@@ -211,3 +215,39 @@ def test_default_seed_applies_only_when_the_request_sets_none() -> None:
     assert make_plan(request, registry).config.seed == 7
     request.sampling.seed = 3
     assert make_plan(request, registry).config.seed == 3
+
+
+def _called(name: str, arguments: str, call_id: str, result: str = "notes: hello") -> list[Message]:
+    """An assistant turn that called `name`, and the tool result that came back."""
+    return [
+        Message(role="assistant", tool_calls=[ToolCall(call_id, name, arguments)]),
+        Message(role="tool", content=result, tool_call_id=call_id, name=name),
+    ]
+
+
+@pytest.mark.parametrize("tokenizer", _tokenizers(), ids=["bytes", "bpe"])
+def test_a_call_made_twice_alike_cannot_start_a_third_time(tokenizer: Tokenizer) -> None:
+    """The model called Bash with the same command twice, and the same result came back; it writes
+    that call again: the call grammar no longer offers Bash, so the call it starts becomes one to
+    another declared tool (here Read, the only other). With Read called twice alike too, no call
+    may start at all: the reply is text."""
+    cat = '{"command": "cat notes.txt"}'
+    same = _called("Bash", cat, "a") + _called("Bash", cat.replace(": ", ":"), "b")
+    again = '<tool_call>\n{"name": "Bash", "arguments": {"command": "cat notes.txt"}}\n</tool_call>'
+    before = TOOL_STEERING.labels(kind="repeat")._value.get()
+    for seed in range(4):
+        result = _run(again, tokenizer, seed, history=same)
+        _assert_valid_calls(result)
+        assert [c["name"] for c in result["calls"]] == ["Read"], result
+    assert TOOL_STEERING.labels(kind="repeat")._value.get() - before == 4
+    # two different commands, or the same one with another result: Bash stays callable
+    for history in (
+        _called("Bash", '{"command": "ls"}', "a") + _called("Bash", cat, "b"),
+        same[:2] + _called("Bash", cat, "c", result="notes: changed"),
+    ):
+        result = _run(again, tokenizer, 0, history=history)
+        assert [c["name"] for c in result["calls"]] == ["Bash"], result
+    read = '{"file_path": "notes.txt"}'
+    stuck = same + _called("Read", read, "c") + _called("Read", read, "d")
+    result = _run(again, tokenizer, 0, history=stuck)
+    assert not result["calls"] and not result["text"].startswith("<tool_call>"), result

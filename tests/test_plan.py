@@ -19,11 +19,27 @@ from turbospark.backend import (
     ReasoningEffort,
     SamplingDefaults,
 )
-from turbospark.cli import brief_tools
+from turbospark.cli import brief_tools, focus_tools
 from turbospark.errors import ApiError
-from turbospark.plan import THINKING_BUDGETS, Plan, brief_text, make_plan
+from turbospark.plan import (
+    AGENT_CORE_TOOLS,
+    REPEAT_WINDOW,
+    THINKING_BUDGETS,
+    Plan,
+    brief_text,
+    make_plan,
+    repeated_calls,
+)
 from turbospark.registry import ModelRegistry, ServedModel
-from turbospark.request import ChatRequest, Message, SamplingParams, Tool, ToolChoice, ToolChoiceMode
+from turbospark.request import (
+    ChatRequest,
+    Message,
+    SamplingParams,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    ToolChoiceMode,
+)
 from turbospark.scripted import ScriptedChatModel
 
 WEATHER = Tool("get_weather", "Weather for a city")
@@ -114,6 +130,70 @@ def test_auto_tool_descriptions_are_brief_for_small_models_only() -> None:
     small, large, unknown = SizedModel(494_000_000), SizedModel(7_600_000_000), SizedModel(0)
     assert [brief_tools("auto", m) for m in (small, large, unknown)] == [True, False, False]
     assert brief_tools("brief", large) and not brief_tools("full", small)
+
+
+AGENT_TOOLS = [
+    Tool(name, f"The {name} tool.") for name in ("Agent", "Bash", "CronCreate", "Edit", "Read")
+] + [Tool(f"Extra{i}", f"Extra tool {i}.") for i in range(6)]
+
+
+def test_tool_focus_narrows_what_the_model_reads_and_may_start() -> None:
+    focused = plan(registry(focus_tools=AGENT_CORE_TOOLS), tools=AGENT_TOOLS)
+    names = [t.name for t in focused.call_tools]
+    assert names == ["Bash", "Edit", "Read"]
+    assert "The Read tool." in focused.prompt_text and "The Agent tool." not in focused.prompt_text
+    assert "Extra tool 0." not in focused.prompt_text
+    assert focused.tools == AGENT_TOOLS  # a call to any declared tool is still read and validated
+    # off, few tools, or fewer than two of the named ones declared: the model reads them all
+    assert plan(registry(), tools=AGENT_TOOLS).call_tools == AGENT_TOOLS
+    few = AGENT_TOOLS[:5]
+    assert plan(registry(focus_tools=AGENT_CORE_TOOLS), tools=few).call_tools == few
+    one = [AGENT_TOOLS[1], *AGENT_TOOLS[5:], Tool("Other", "x"), Tool("More", "y")]
+    assert plan(registry(focus_tools=AGENT_CORE_TOOLS), tools=one).call_tools == one
+
+
+def test_tool_focus_is_the_agent_core_for_small_models_by_default() -> None:
+    small, large = SizedModel(494_000_000), SizedModel(7_600_000_000)
+    assert focus_tools("auto", small) == AGENT_CORE_TOOLS and focus_tools("auto", large) == ()
+    assert focus_tools("off", small) == () and focus_tools("Bash, Read", large) == ("Bash", "Read")
+
+
+def _turn(name: str, arguments: str, result: str = "result", call_id: str = "c") -> list[Message]:
+    return [
+        Message("assistant", tool_calls=[ToolCall(call_id, name, arguments)]),
+        Message("tool", result, tool_call_id=call_id, name=name),
+    ]
+
+
+def test_repeated_calls_are_the_same_call_with_the_same_result() -> None:
+    user = [Message("user", "go")]
+    ls = _turn("Bash", '{"command": "ls"}', call_id="1")
+    pwd = _turn("Bash", '{"command": "pwd"}', call_id="2")
+    ls_again = _turn("Bash", '{ "command" : "ls" }', call_id="3")
+    assert repeated_calls(user + ls + ls_again) == {"Bash"}
+    assert repeated_calls(user + ls + pwd + [Message("assistant", "It lists files.")] + ls_again) == {"Bash"}
+    assert repeated_calls(user + ls) == set()
+    assert repeated_calls(user + ls + pwd) == set()
+    assert repeated_calls(user + _turn("Read", '{"a": 1}', call_id="1") + _turn("Bash", '{"a": 1}')) == set()
+    # the same command with another result (a test run again after an edit) is no repeat
+    assert repeated_calls(user + ls + _turn("Bash", '{"command": "ls"}', "changed", call_id="3")) == set()
+    # a call whose result has not come back (the last turn is a prefill) is not counted
+    assert repeated_calls([*user, *ls, *ls_again[:1]]) == set()
+    # only the last REPEAT_WINDOW assistant turns are looked at
+    far = user + ls + [Message("assistant", f"step {i}") for i in range(REPEAT_WINDOW)] + ls_again
+    assert repeated_calls(far) == set()
+
+
+def test_tools_called_twice_alike_leave_the_calls_the_model_may_start() -> None:
+    bash_twice = [
+        Message("user", "go"),
+        *_turn("Bash", '{"command": "ls"}', call_id="1"),
+        *_turn("Bash", '{"command": "ls"}', call_id="2"),
+    ]
+    reg = registry(focus_tools=AGENT_CORE_TOOLS)
+    p = plan(reg, tools=AGENT_TOOLS, messages=bash_twice)
+    assert [t.name for t in p.call_tools] == ["Edit", "Read"] and p.tools == AGENT_TOOLS
+    assert "The Bash tool." in p.prompt_text  # the model still reads it: the prompt's prefix is kept
 
 
 @pytest.mark.parametrize(

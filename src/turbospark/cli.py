@@ -26,6 +26,7 @@ from turbospark.engine.scheduler import SchedulerConfig
 from turbospark.engine.speculative import SpeculativeConfig, default_method, parse_speculative
 from turbospark.launch import AGENTS, DEFAULT_DISK_CACHE_GB
 from turbospark.limits import Limits
+from turbospark.plan import AGENT_CORE_TOOLS
 from turbospark.ratecontrol import RateControl, parse_thermal_steps, temperature_source
 from turbospark.registry import DEFAULT_KEEP_ALIVE, DEFAULT_LOOP_GUARD, ModelRegistry, ServedModel
 from turbospark.scripted import DEMO_MAX_CONTEXT, DEMO_REPLY, ScriptedChatModel
@@ -175,6 +176,16 @@ def brief_tools(choice: str, backend: Backend) -> bool:
     return 0 < backend.details().num_parameters < BRIEF_TOOLS_BELOW
 
 
+def focus_tools(choice: str, backend: Backend) -> tuple[str, ...]:
+    """`--tool-focus` for one loaded model: off, a comma-separated list of tool names, or auto
+    (`plan.AGENT_CORE_TOOLS` below `BRIEF_TOOLS_BELOW` parameters, else off)."""
+    if choice == "off":
+        return ()
+    if choice == "auto":
+        return AGENT_CORE_TOOLS if 0 < backend.details().num_parameters < BRIEF_TOOLS_BELOW else ()
+    return tuple(name.strip() for name in choice.split(",") if name.strip())
+
+
 def served_model(spec: str, args: argparse.Namespace, rate: RateControl | None) -> ServedModel:
     """`spec` loaded and wrapped in the server's policy (guardrails, system prompt, reasoning,
     sampling defaults): what serve preloads and what the registry loads on demand."""
@@ -195,6 +206,7 @@ def served_model(spec: str, args: argparse.Namespace, rate: RateControl | None) 
         default_system=system,
         tool_prompt=getattr(args, "tool_prompt", None) or None,
         brief_tools=brief_tools(getattr(args, "tool_descriptions", "auto"), backend),
+        focus_tools=focus_tools(getattr(args, "tool_focus", "auto"), backend),
         default_reasoning=ReasoningEffort(args.reasoning or ReasoningEffort.OFF),
         # None: the model's own recommendation, else the built-in truncation
         sampling=NO_SAMPLING_DEFAULTS if args.sampling_defaults == "none" else None,
@@ -643,6 +655,14 @@ def parser() -> argparse.ArgumentParser:
         help="brief: the model reads each declared tool's description and parameter descriptions cut "
         "to their first sentences (Claude Code's 24 tools are ~17,000 tokens in full); calls are still "
         "held to the whole schema. auto (default): brief for models under 4B parameters",
+    )
+    s.add_argument(
+        "--tool-focus",
+        metavar="auto|off|NAME,...",
+        default="auto",
+        help="of a request declaring more than 8 tools, the model reads and may start calls to only "
+        "these (calls to the others it writes anyway are still read as calls). auto (default): the "
+        "shell and file tools of Claude Code, Codex and OpenCode, for models under 4B parameters",
     )
     s.add_argument("--reasoning", choices=[e.value for e in ReasoningEffort], help="default reasoning effort")
     s.add_argument(

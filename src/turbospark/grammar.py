@@ -65,6 +65,8 @@ class PlanFacts(Protocol):
     @property
     def tools(self) -> list[Tool]: ...
     @property
+    def call_tools(self) -> list[Tool]: ...
+    @property
     def reasoning(self) -> ReasoningEffort: ...
     @property
     def start_in_reasoning(self) -> bool: ...
@@ -686,7 +688,23 @@ class LazyToolCallProcessor:
         self.num_masked += 1
 
 
-def lazy_processor_for_plan(plan: PlanFacts, vocab_size: int) -> LazyToolCallProcessor | None:
+class NoCallProcessor:
+    """Keeps a reply from opening a tagged call (`<tool_call>`): what tool_choice auto leaves when
+    every tool the model reads was called twice alike to no end (`plan.repeated_calls`)."""
+
+    def __init__(self, opener_ids: Sequence[int]) -> None:
+        self.opener_ids = list(opener_ids)
+
+    def fork(self) -> NoCallProcessor:
+        return self
+
+    def __call__(self, generated_ids: Sequence[int], logits: torch.Tensor) -> None:
+        logits[self.opener_ids] = float("-inf")
+
+
+def lazy_processor_for_plan(
+    plan: PlanFacts, vocab_size: int
+) -> LazyToolCallProcessor | NoCallProcessor | None:
     """The lazy call constraint for a tool_choice auto request, or None (off, no tools, or no
     grammar engine: auto never needs one, so its absence is no error)."""
     request = plan.request
@@ -697,17 +715,21 @@ def lazy_processor_for_plan(plan: PlanFacts, vocab_size: int) -> LazyToolCallPro
         or not guardrails.constrain_calls
     ):
         return None
+    tokenizer = plan.backend.tokenizer
+    if not plan.call_tools:
+        found = (tokenizer.token_to_id(t) for t in ("<tool_call>", "[TOOL_CALLS]"))
+        opener_ids = [i for i in found if i is not None]
+        return NoCallProcessor(opener_ids) if opener_ids else None
     try:
         import llguidance  # noqa: F401
     except ImportError:
         return None
-    tokenizer = plan.backend.tokenizer
     family = detect_family(plan.chat_template)
     grammars = lazy_call_grammars(
         tokenizer,
         vocab_size,
         family,
-        plan.tools,
+        plan.call_tools,
         request.parallel_tool_calls,
         plan.chat_template,
         bare=guardrails.enabled,  # a bare call is only read as a call by the guardrails

@@ -138,6 +138,13 @@ LOOPS_BROKEN = Counter(
     ["model"],
     registry=REGISTRY,
 )
+TOOL_STEERING = Counter(
+    "turbospark_tool_steering",
+    "requests whose tool list the server narrowed for the model: focus (`serve --tool-focus`: the "
+    "model read only the named tools) or repeat (a call just made twice alike may not start again)",
+    ["kind"],
+    registry=REGISTRY,
+)
 LAZY_TRIGGERS = Counter(
     "turbospark_tool_call_constraint_triggers",
     "tool_choice auto: calls the model started that the call grammar then held (form tag or bare), "

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from turbospark.backend import (
@@ -40,6 +40,7 @@ from turbospark.chat_template import CHATML_TEMPLATE, ChatTemplateError, render_
 from turbospark.errors import invalid
 from turbospark.grammar import processors_for_plan
 from turbospark.limits import check_images, check_prompt_tokens, check_request
+from turbospark.metrics import TOOL_STEERING
 from turbospark.registry import ModelRegistry
 from turbospark.request import ChatRequest, Message, SamplingParams, Tool, ToolChoiceMode
 from turbospark.toolcalls.guardrails import GuardrailConfig
@@ -59,6 +60,10 @@ class Plan:
     chat_template: str | None
     tools: list[Tool]  # the tools the reply may call (none under tool_choice "none")
     guardrails: GuardrailConfig
+    # what a call started under tool_choice auto is held to (`grammar.lazy_processor_for_plan`):
+    # the tools the model read (`focus_tools`) less those it called twice alike (`repeated_calls`);
+    # empty while tools are declared: the reply may start no call
+    call_tools: list[Tool] = field(default_factory=list)
     start_in_reasoning: bool = False  # the generation prompt opened a think block
     has_reasoning_markup: bool = False  # the model can emit <think> at all
     thinking_budget: int | None = None
@@ -246,6 +251,63 @@ def resolve_sampling(sp: SamplingParams, defaults: SamplingDefaults) -> Resolved
     )
 
 
+# `serve --tool-focus`: a request declaring more tools than this is narrowed for a small model
+FOCUS_ABOVE = 8
+# `--tool-focus auto` for small models: the shell and file tools of the coding agents in
+# CLIENTS.md (Claude Code, Codex, OpenCode). Claude Code declares 24 tools; small models pick
+# among them by name and pick wrong (Agent, Skill, TaskCreate, CronCreate: benchmarks/RESULTS.md).
+AGENT_CORE_TOOLS = (
+    "Bash", "Read", "Write", "Edit", "MultiEdit", "Glob", "Grep", "LS",
+    "shell", "exec_command", "apply_patch",
+    "bash", "read", "write", "edit", "glob", "grep", "list",
+)  # fmt: skip
+
+
+def focus_tools(tools: list[Tool], names: tuple[str, ...]) -> list[Tool]:
+    """The tools a model reads and may start a call to (`serve --tool-focus`): of a request that
+    declares more than `FOCUS_ABOVE` tools, those named in `names`, in the request's order, when
+    at least two of them are declared; else all. The others stay declared: a call to one that
+    the model writes anyway is still read and validated as a call."""
+    if not names or len(tools) <= FOCUS_ABOVE:
+        return tools
+    kept = [t for t in tools if t.name in names]
+    return kept if len(kept) >= 2 else tools
+
+
+def _canonical_call(name: str, arguments: str) -> tuple[str, str]:
+    try:
+        return name, json.dumps(json.loads(arguments), sort_keys=True)
+    except ValueError:
+        return name, arguments.strip()
+
+
+# `repeated_calls` looks this many assistant turns back
+REPEAT_WINDOW = 8
+
+
+def repeated_calls(messages: list[Message]) -> set[str]:
+    """Tools the model has called twice alike to no new end, in its last `REPEAT_WINDOW` turns:
+    the same arguments, and the same result came back both times. A small model does this until
+    the client's turn limit (the same Agent call nine times after nine errors, an Edit of a file
+    that does not exist a dozen times: benchmarks/RESULTS.md); a call whose result changed (a
+    test run again after an edit) is no repeat. Each name found is kept from starting a call of
+    this reply (`Plan.call_tools`), so the model turns to another tool or answers."""
+    results = {m.tool_call_id: m.content for m in messages if m.role == "tool" and m.tool_call_id}
+    turns = [m for m in messages if m.role == "assistant"][-REPEAT_WINDOW:]
+    seen: set[tuple[str, str, str]] = set()
+    out: set[str] = set()
+    for turn in turns:
+        for call in turn.tool_calls:
+            result = results.get(call.id)
+            if result is None:
+                continue
+            key = (*_canonical_call(call.name, call.arguments), result)
+            if key in seen:
+                out.add(call.name)
+            seen.add(key)
+    return out
+
+
 def _with_default_system(messages: list[Message], system: str | None) -> list[Message]:
     if system is None or any(m.role in ("system", "developer") for m in messages):
         return messages
@@ -289,6 +351,14 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
     think_id = tokenizer.token_to_id("<think>")
     has_reasoning = think_id is not None or "<think>" in template
 
+    shown = focus_tools(tools, served.focus_tools)
+    again = repeated_calls(request.messages) if tools else set()
+    call_tools = [t for t in shown if t.name not in again]
+    if len(call_tools) < len(shown):
+        TOOL_STEERING.labels(kind="repeat").inc()
+    if shown is not tools:
+        TOOL_STEERING.labels(kind="focus").inc()
+
     if request.prompt is not None:
         prompt_text = request.prompt
         prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=request.add_special_tokens)
@@ -300,7 +370,7 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
             prompt_text = render_chat_template(
                 template,
                 template_messages(messages, as_parts=backend.vision() is not None and reads_parts(template)),
-                tools=template_tools(tools, brief=served.brief_tools) if tools else None,
+                tools=template_tools(shown, brief=served.brief_tools) if shown else None,
                 add_generation_prompt=True,
                 bos_token=tokenizer.bos_token,
                 eos_token=tokenizer.eos_token,
@@ -369,6 +439,7 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
         chat_template=template,
         tools=tools,
         guardrails=served.guardrails,
+        call_tools=call_tools,
         start_in_reasoning=start_in_reasoning,
         has_reasoning_markup=has_reasoning,
         thinking_budget=budget if has_reasoning else None,

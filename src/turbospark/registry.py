@@ -92,6 +92,9 @@ class ServedModel:
     # `serve --tool-descriptions brief`: the chat template sees each declared tool's description
     # (and its parameters') cut to a short lead; the grammar and the validation keep the whole schema
     brief_tools: bool = False
+    # `serve --tool-focus`: of a request declaring many tools, the model reads and may start calls
+    # to only these (`plan.focus_tools`); empty: all
+    focus_tools: tuple[str, ...] = ()
     default_reasoning: ReasoningEffort = ReasoningEffort.OFF
     default_seed: int | None = None  # used only when a request sets no seed
     # generated tokens over which an exact loop is broken (`sampling.loop_continuation`); 0: off

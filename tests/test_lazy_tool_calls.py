@@ -217,7 +217,9 @@ def test_default_seed_applies_only_when_the_request_sets_none() -> None:
     assert make_plan(request, registry).config.seed == 3
 
 
-def _called(name: str, arguments: str, call_id: str, result: str = "notes: hello") -> list[Message]:
+def _called(
+    name: str, arguments: str, call_id: str, result: str = "Error: notes.txt: denied"
+) -> list[Message]:
     """An assistant turn that called `name`, and the tool result that came back."""
     return [
         Message(role="assistant", tool_calls=[ToolCall(call_id, name, arguments)]),
@@ -227,10 +229,10 @@ def _called(name: str, arguments: str, call_id: str, result: str = "notes: hello
 
 @pytest.mark.parametrize("tokenizer", _tokenizers(), ids=["bytes", "bpe"])
 def test_a_call_made_twice_alike_cannot_start_a_third_time(tokenizer: Tokenizer) -> None:
-    """The model called Bash with the same command twice, and the same result came back; it writes
+    """The model called Bash with the same command twice, and the same error came back; it writes
     that call again: the call grammar no longer offers Bash, so the call it starts becomes one to
-    another declared tool (here Read, the only other). With Read called twice alike too, no call
-    may start at all: the reply is text."""
+    another declared tool (here Read, the only other). With Read failing twice alike too, or once
+    a repeated call's good result is in view, no call may start at all: the reply is text."""
     cat = '{"command": "cat notes.txt"}'
     same = _called("Bash", cat, "a") + _called("Bash", cat.replace(": ", ":"), "b")
     again = '<tool_call>\n{"name": "Bash", "arguments": {"command": "cat notes.txt"}}\n</tool_call>'
@@ -249,5 +251,7 @@ def test_a_call_made_twice_alike_cannot_start_a_third_time(tokenizer: Tokenizer)
         assert [c["name"] for c in result["calls"]] == ["Bash"], result
     read = '{"file_path": "notes.txt"}'
     stuck = same + _called("Read", read, "c") + _called("Read", read, "d")
-    result = _run(again, tokenizer, 0, history=stuck)
-    assert not result["calls"] and not result["text"].startswith("<tool_call>"), result
+    answered = _called("Bash", cat, "e", "notes: hello") + _called("Bash", cat, "f", "notes: hello")
+    for history in (stuck, answered):
+        result = _run(again, tokenizer, 0, history=history)
+        assert not result["calls"] and not result["text"].startswith("<tool_call>"), result

@@ -170,30 +170,38 @@ def test_repeated_calls_are_the_same_call_with_the_same_result() -> None:
     ls = _turn("Bash", '{"command": "ls"}', call_id="1")
     pwd = _turn("Bash", '{"command": "pwd"}', call_id="2")
     ls_again = _turn("Bash", '{ "command" : "ls" }', call_id="3")
-    assert repeated_calls(user + ls + ls_again) == {"Bash"}
-    assert repeated_calls(user + ls + pwd + [Message("assistant", "It lists files.")] + ls_again) == {"Bash"}
-    assert repeated_calls(user + ls) == set()
-    assert repeated_calls(user + ls + pwd) == set()
-    assert repeated_calls(user + _turn("Read", '{"a": 1}', call_id="1") + _turn("Bash", '{"a": 1}')) == set()
+    assert repeated_calls(user + ls + ls_again) == {"Bash": False}
+    assert repeated_calls(user + ls + pwd + [Message("assistant", "It lists files.")] + ls_again) == {
+        "Bash": False
+    }
+    failed = _turn("Read", '{"file_path": "/x"}', "Error: no such file", call_id="4")
+    assert repeated_calls(user + failed + ls + failed) == {"Read": True}
+    assert repeated_calls(user + ls) == {}
+    assert repeated_calls(user + ls + pwd) == {}
+    assert repeated_calls(user + _turn("Read", '{"a": 1}', call_id="1") + _turn("Bash", '{"a": 1}')) == {}
     # the same command with another result (a test run again after an edit) is no repeat
-    assert repeated_calls(user + ls + _turn("Bash", '{"command": "ls"}', "changed", call_id="3")) == set()
+    assert repeated_calls(user + ls + _turn("Bash", '{"command": "ls"}', "changed", call_id="3")) == {}
     # a call whose result has not come back (the last turn is a prefill) is not counted
-    assert repeated_calls([*user, *ls, *ls_again[:1]]) == set()
+    assert repeated_calls([*user, *ls, *ls_again[:1]]) == {}
     # only the last REPEAT_WINDOW assistant turns are looked at
     far = user + ls + [Message("assistant", f"step {i}") for i in range(REPEAT_WINDOW)] + ls_again
-    assert repeated_calls(far) == set()
+    assert repeated_calls(far) == {}
 
 
 def test_tools_called_twice_alike_leave_the_calls_the_model_may_start() -> None:
-    bash_twice = [
-        Message("user", "go"),
-        *_turn("Bash", '{"command": "ls"}', call_id="1"),
-        *_turn("Bash", '{"command": "ls"}', call_id="2"),
-    ]
+    def twice(result: str) -> list[Message]:
+        return [
+            Message("user", "go"),
+            *_turn("Bash", '{"command": "ls"}', result, call_id="1"),
+            *_turn("Bash", '{"command": "ls"}', result, call_id="2"),
+        ]
+
     reg = registry(focus_tools=AGENT_CORE_TOOLS)
-    p = plan(reg, tools=AGENT_TOOLS, messages=bash_twice)
-    assert [t.name for t in p.call_tools] == ["Edit", "Read"] and p.tools == AGENT_TOOLS
-    assert "The Bash tool." in p.prompt_text  # the model still reads it: the prompt's prefix is kept
+    failing = plan(reg, tools=AGENT_TOOLS, messages=twice("Error: exit 2"))
+    assert [t.name for t in failing.call_tools] == ["Edit", "Read"] and failing.tools == AGENT_TOOLS
+    assert "The Bash tool." in failing.prompt_text  # the model still reads it: the prompt's prefix is kept
+    # the same good result twice: the model has what it needs, and answers
+    assert plan(reg, tools=AGENT_TOOLS, messages=twice("a.txt")).call_tools == []
 
 
 @pytest.mark.parametrize(

@@ -61,8 +61,9 @@ class Plan:
     tools: list[Tool]  # the tools the reply may call (none under tool_choice "none")
     guardrails: GuardrailConfig
     # what a call started under tool_choice auto is held to (`grammar.lazy_processor_for_plan`):
-    # the tools the model read (`focus_tools`) less those it called twice alike (`repeated_calls`);
-    # empty while tools are declared: the reply may start no call
+    # the tools the model read (`focus_tools`), less those it called twice alike with the same
+    # error (`repeated_calls`); none (while tools are declared: the reply may open no call) once
+    # it repeated a call whose good result it already has
     call_tools: list[Tool] = field(default_factory=list)
     start_in_reasoning: bool = False  # the generation prompt opened a think block
     has_reasoning_markup: bool = False  # the model can emit <think> at all
@@ -285,17 +286,18 @@ def _canonical_call(name: str, arguments: str) -> tuple[str, str]:
 REPEAT_WINDOW = 8
 
 
-def repeated_calls(messages: list[Message]) -> set[str]:
+def repeated_calls(messages: list[Message]) -> dict[str, bool]:
     """Tools the model has called twice alike to no new end, in its last `REPEAT_WINDOW` turns:
-    the same arguments, and the same result came back both times. A small model does this until
-    the client's turn limit (the same Agent call nine times after nine errors, an Edit of a file
-    that does not exist a dozen times: benchmarks/RESULTS.md); a call whose result changed (a
-    test run again after an edit) is no repeat. Each name found is kept from starting a call of
-    this reply (`Plan.call_tools`), so the model turns to another tool or answers."""
+    the same arguments, and the same result came back both times; each name maps to whether that
+    result was an error (a tool message starting "Error:", as Anthropic's `is_error` arrives).
+    Small models do this until the client's turn limit (the same Agent call nine times after nine
+    errors, an Edit of a file that does not exist a dozen times, a Glob whose answer was already
+    in view: benchmarks/RESULTS.md); a call whose result changed (a test run again after an edit)
+    is no repeat. What `make_plan` does with them: see `Plan.call_tools`."""
     results = {m.tool_call_id: m.content for m in messages if m.role == "tool" and m.tool_call_id}
     turns = [m for m in messages if m.role == "assistant"][-REPEAT_WINDOW:]
     seen: set[tuple[str, str, str]] = set()
-    out: set[str] = set()
+    out: dict[str, bool] = {}
     for turn in turns:
         for call in turn.tool_calls:
             result = results.get(call.id)
@@ -303,7 +305,7 @@ def repeated_calls(messages: list[Message]) -> set[str]:
                 continue
             key = (*_canonical_call(call.name, call.arguments), result)
             if key in seen:
-                out.add(call.name)
+                out[call.name] = result.startswith("Error:")
             seen.add(key)
     return out
 
@@ -352,9 +354,10 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
     has_reasoning = think_id is not None or "<think>" in template
 
     shown = focus_tools(tools, served.focus_tools)
-    again = repeated_calls(request.messages) if tools else set()
-    call_tools = [t for t in shown if t.name not in again]
-    if len(call_tools) < len(shown):
+    again = repeated_calls(request.messages) if tools else {}
+    # a repeated call's good result is in view: the reply answers with it; errors: another tool
+    call_tools = [t for t in shown if t.name not in again] if all(again.values()) else []
+    if again:
         TOOL_STEERING.labels(kind="repeat").inc()
     if shown is not tools:
         TOOL_STEERING.labels(kind="focus").inc()

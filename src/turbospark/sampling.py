@@ -404,9 +404,10 @@ def _sample_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Tok
     # a copy where a row is edited in place: the runner's logits are inference tensors (no
     # in-place edits outside inference mode) and may be a CUDA graph's static output buffer.
     # Rows only read (greedy, plain sampling) read them as they are: on CPU the copy was a fresh
-    # vocabulary-sized allocation per step, page faults included.
+    # vocabulary-sized allocation per step, page faults included. On a GPU, lower-precision
+    # logits are read as they are too: the sampler there widens only the candidates it keeps.
     logits = logits.detach()
-    if any(edited) or logits.dtype != torch.float32:
+    if any(edited) or (logits.dtype != torch.float32 and not logits.is_cuda):
         logits = logits.to(torch.float32, copy=True)
     out: list[TokenEvent | Exception | None] = [None] * len(rows)
     for i, row in enumerate(rows):
@@ -437,7 +438,7 @@ def _sample_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Tok
         if row.config.num_top_logprobs is not None and isinstance(out[i], TokenEvent)
     ]
     if wants_logprobs:
-        logprobs = torch.log_softmax(logits[wants_logprobs], dim=-1)
+        logprobs = torch.log_softmax(logits[wants_logprobs], dim=-1, dtype=torch.float32)
         for j, i in enumerate(wants_logprobs):
             event = out[i]
             assert isinstance(event, TokenEvent)
@@ -467,50 +468,70 @@ def _edits(row: SamplingRow) -> bool:
 def _sample_on_device(
     logits: torch.Tensor, rows: Sequence[SamplingRow], out: list[TokenEvent | Exception | None]
 ) -> None:
-    """Every row of `out` still empty, drawn on the GPU (`cuda_ops.sample_rows`): Gumbel-max
-    sampling (an exact draw like the CPU's `draw`, from another random stream), with row i's
-    noise keyed by a seed drawn from its own generator, so a seed reproduces its tokens on that
-    device. Rows with top-k, top-p or min-p are truncated together (`truncate_rows`: one top-k or
-    sort over all of them, no per-row op), the others only scaled; one host sync for the batch.
+    """Every row of `out` still empty, drawn on the GPU: Gumbel-max sampling (an exact draw like
+    the CPU's `draw`, from another random stream), with row i's noise keyed by a seed drawn from
+    its own generator, so a seed reproduces its tokens on that device. One host sync for the
+    batch.
 
-    The per-row loop this replaced (`filter_logits` row by row) cost ~88% of every step at 64
-    sampled streams once the built-in top_k / top_p / min_p defaults applied to every request
-    (a 0.5B config on an H100: 22.6 ms a step instead of 9.8).
+    Rows with a top-k (the built-in defaults give every request top-k 40, top-p 0.95, min-p
+    0.05) take one `torch.topk` of the raw logits over all of them, then one kernel
+    (`cuda_ops.sample_truncated`) that scales the k survivors by the temperature, applies
+    top-k, min-p and top-p as `truncate_rows` does and draws; the row parameters travel in one
+    host tensor. A positive temperature keeps the order, so only the survivors are scaled (the
+    float32 scale of the whole (rows, vocab) logits this replaced was a pass over them, and five
+    parameter tensors and a dozen small launches a step went with it). Rows that truncate
+    without a top-k, or with one wider than the kernel takes, go through `truncate_rows` and
+    `cuda_ops.sample_rows`; rows that truncate nothing are only scaled, in `sample_rows`.
+
+    The per-row loop before that (`filter_logits` row by row) cost ~88% of every step at 64
+    sampled streams once the built-in defaults applied to every request (a 0.5B config on an
+    H100: 22.6 ms a step instead of 9.8).
     """
     from turbospark.engine import cuda_ops
 
-    todo = [i for i, e in enumerate(out) if e is None]
     vocab = logits.shape[1]
-    truncated = [i for i in todo if _truncates(rows[i].config, vocab)]
-    plain = [i for i in todo if not _truncates(rows[i].config, vocab)]
+    limit = cuda_ops.TRUNCATED_MAX_WIDTH
+    # row indices and (temperature, top-k, min-p, top-p, seed) by route: top-k kernel,
+    # truncated otherwise, plain
+    groups: tuple[list[int], list[int], list[int]] = ([], [], [])
+    params: tuple[list[tuple[float, int, float, float, int]], ...] = ([], [], [])
+    for i, event in enumerate(out):
+        if event is not None:
+            continue
+        row = rows[i]
+        c = row.config
+        # one seed per row from its own generator (CPU generators: no device sync)
+        seed = int(torch.randint(0, 2**31 - 1, (), generator=row.generator))
+        k = c.top_k if c.top_k and 0 < c.top_k < vocab else vocab
+        truncates = k < vocab or c.min_p > 0.0 or c.top_p < 1.0
+        route = 2 if not truncates else 0 if k <= limit else 1
+        groups[route].append(i)
+        params[route].append((max(c.temperature, 1e-5), k, c.min_p, c.top_p, seed))
     device = logits.device
     picked: list[torch.Tensor] = []
-    for group in (truncated, plain):
-        if not group:
-            continue
-        # one seed per row from its own generator, in row order (CPU generators: no device sync)
-        seeds = torch.tensor(
-            [int(torch.randint(0, 2**31 - 1, (), generator=rows[i].generator)) for i in group],
-            dtype=torch.int64,
-        ).to(device, non_blocking=True)
-        configs = [rows[i].config for i in group]
-        if group is truncated:
-            values, ids = truncate_rows(logits[group], configs)
-            ones = torch.ones(len(group), dtype=torch.float32, device=device)
-            at = cuda_ops.sample_rows(values, ones, seeds).long()
-            picked.append(ids.gather(1, at[:, None])[:, 0])
-        else:
-            inv_temperature = torch.tensor(
-                [1.0 / max(c.temperature, 1e-5) for c in configs], dtype=torch.float32
-            ).to(device, non_blocking=True)
-            picked.append(cuda_ops.sample_rows(logits[group].contiguous(), inv_temperature, seeds).long())
+    fused, wide, plain = groups
+    if fused:
+        table = torch.tensor(params[0], dtype=torch.float64).to(device, non_blocking=True)
+        width = max(p[1] for p in params[0])
+        # every row in order (the usual step) needs no gather
+        raw = logits if len(fused) == logits.shape[0] else logits[fused]
+        values, ids = torch.topk(raw, width, dim=-1)  # sorted, descending
+        picked.append(cuda_ops.sample_truncated(values.float(), ids, table))
+    if wide:
+        seeds = torch.tensor([p[4] for p in params[1]], dtype=torch.int64).to(device, non_blocking=True)
+        values, ids = truncate_rows(logits[wide], [rows[i].config for i in wide])
+        ones = torch.ones(len(wide), dtype=torch.float32, device=device)
+        at = cuda_ops.sample_rows(values, ones, seeds).long()
+        picked.append(ids.gather(1, at[:, None])[:, 0])
+    if plain:
+        host = torch.tensor([(1.0 / p[0], float(p[4])) for p in params[2]], dtype=torch.float64)
+        table = host.to(device, non_blocking=True)
+        inv_temperature = table[:, 0].float()
+        seeds = table[:, 1].long()
+        picked.append(cuda_ops.sample_rows(logits[plain].contiguous(), inv_temperature, seeds).long())
     token_ids = torch.cat(picked).tolist() if picked else []
-    for i, token_id in zip(truncated + plain, token_ids, strict=True):
+    for i, token_id in zip(fused + wide + plain, token_ids, strict=True):
         out[i] = TokenEvent(token_id=int(token_id))
-
-
-def _truncates(config: GenerationConfig, vocab: int) -> bool:
-    return bool(config.top_k and 0 < config.top_k < vocab) or config.min_p > 0.0 or config.top_p < 1.0
 
 
 def truncate_rows(
@@ -518,32 +539,37 @@ def truncate_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`filter_logits` for many rows at once: (values, ids), each (rows, width), row r's
     candidates sorted by scaled logit, descending, with the cut ones at -inf and their token ids
-    beside them. width is the largest top-k among the rows (the whole vocabulary, one sort,
-    where a row has none). Same filters in the same order as `filter_logits`; only ties at the
-    k-th value differ (exactly k are kept, as `candidates` does)."""
+    beside them (values float32). width is the largest top-k among the rows (the whole
+    vocabulary, one sort, where a row has none). Same filters in the same order as
+    `filter_logits`; only ties at the k-th value differ (exactly k are kept, as `candidates`
+    does). The top-k runs on the raw logits and only the survivors are scaled: dividing by a
+    positive temperature keeps the order."""
     vocab = logits.shape[1]
     device = logits.device
-    temperature = torch.tensor([max(c.temperature, 1e-5) for c in configs], dtype=torch.float32)
     ks = [c.top_k if c.top_k and 0 < c.top_k < vocab else vocab for c in configs]
-    scaled = logits.float() / temperature.to(device, non_blocking=True)[:, None]
+    inf = float("inf")
+    # temperature, top-k, min-p, top-p (inf where off: nothing cut, whatever the rounding of
+    # its cumulative sum) per row: one host tensor, one copy
+    rows = [
+        (max(c.temperature, 1e-5), k, c.min_p, c.top_p if c.top_p < 1.0 else inf)
+        for c, k in zip(configs, ks, strict=True)
+    ]
+    table = torch.tensor(rows, dtype=torch.float32).to(device, non_blocking=True)
     width = max(ks)
     if width < vocab:
-        values, ids = torch.topk(scaled, width, dim=-1)  # sorted, descending
+        values, ids = torch.topk(logits, width, dim=-1)  # sorted, descending
     else:
-        values, ids = torch.sort(scaled, dim=-1, descending=True)
+        values, ids = torch.sort(logits, dim=-1, descending=True)
+    values = values.float() / table[:, 0:1]
     neg_inf = float("-inf")
     if min(ks) < width:
-        k = torch.tensor(ks, dtype=torch.int64).to(device, non_blocking=True)
-        values = values.masked_fill(torch.arange(width, device=device)[None, :] >= k[:, None], neg_inf)
+        values = values.masked_fill(torch.arange(width, device=device)[None, :] >= table[:, 1:2], neg_inf)
     if any(c.min_p > 0.0 for c in configs):
-        min_p = torch.tensor([c.min_p for c in configs], dtype=torch.float32).to(device, non_blocking=True)
         probs = torch.softmax(values, dim=-1)
-        values = values.masked_fill(probs < min_p[:, None] * probs[:, :1], neg_inf)
+        values = values.masked_fill(probs < table[:, 2:3] * probs[:, :1], neg_inf)
     if any(c.top_p < 1.0 for c in configs):
-        # a row without top_p cuts nothing (inf), whatever the rounding of its cumulative sum
-        top_p = torch.tensor([c.top_p if c.top_p < 1.0 else float("inf") for c in configs])
         probs = torch.softmax(values, dim=-1)
-        drop = (probs.cumsum(-1) - probs) >= top_p.to(device, non_blocking=True)[:, None]
+        drop = (probs.cumsum(-1) - probs) >= table[:, 3:4]
         drop[:, 0] = False  # the most likely token always stays
         values = values.masked_fill(drop, neg_inf)
     return values.contiguous(), ids

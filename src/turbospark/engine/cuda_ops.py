@@ -363,3 +363,37 @@ def sample_rows(logits: torch.Tensor, inv_temperature: torch.Tensor, seeds: torc
             logits, inv_temperature, seeds, out, vocab, logits.stride(0), BLOCK=2048, num_warps=8
         )
     return out
+
+
+TRUNCATED_MAX_WIDTH = 4096
+"""The widest candidate list (largest top-k) `sample_truncated` takes; rows with more go to
+`sampling.truncate_rows` and `sample_rows`."""
+
+
+def sample_truncated(values: torch.Tensor, ids: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """One token per row from its candidates: values (rows, width) float32, the largest raw
+    logits of the row sorted descending, and ids their token ids (`torch.topk`'s pair); params
+    (rows, 5) float64: temperature, top-k (<= width), min-p, top-p (>= 1: off) and seed (an
+    integer below 2**31) per row. Filters in `sampling.truncate_rows`' order and draws as
+    `sample_rows` does over the result (same noise for the same seed and candidate position);
+    `values` is left holding the filtered values (-inf where cut). One launch for the batch;
+    returns the token ids (rows,) int64."""
+    rows, width = values.shape
+    assert values.dtype == torch.float32 and values.stride(-1) == 1 and ids.stride(-1) == 1
+    assert params.dtype == torch.float64 and params.is_contiguous() and params.shape == (rows, 5)
+    assert width <= TRUNCATED_MAX_WIDTH
+    out = torch.empty(rows, dtype=torch.int64, device=values.device)
+    if rows:
+        block = max(_pow2(width), 16)
+        _kernels().truncated_sample_kernel[(rows,)](
+            values,
+            ids,
+            params,
+            out,
+            width,
+            values.stride(0),
+            ids.stride(0),
+            BLOCK=block,
+            num_warps=1 if block <= 256 else 4,
+        )
+    return out

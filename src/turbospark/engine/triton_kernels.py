@@ -646,3 +646,49 @@ def gumbel_argmax_kernel(logits_ptr, inv_temp_ptr, seed_ptr, out_ptr, vocab, str
     winner = tl.argmax(best, axis=0)
     pick = tl.sum(tl.where(offs == winner, best_idx, 0), axis=0)
     tl.store(out_ptr + r, pick)
+
+
+@triton.jit
+def truncated_sample_kernel(
+    values_ptr, ids_ptr, params_ptr, out_ptr, width, stride_v, stride_i, BLOCK: tl.constexpr
+):
+    """Program r: row r's `width` largest raw logits (sorted, descending: `torch.topk`'s values
+    and ids) through the filters of `sampling.truncate_rows`, then `gumbel_argmax_kernel`'s draw
+    over them. params row r (float64): temperature, top-k, min-p, top-p, seed. In order:
+    scale by the temperature, cut past the row's top-k, cut probabilities below min-p times
+    the largest, cut a token once the mass before it reaches top-p (the first always stays);
+    the filtered values go back into `values` (-inf where cut). The noise of position j is
+    Philox(seed, j), as `gumbel_argmax_kernel` draws it over the same candidates, so a seed
+    picks the same candidate as that kernel would; out[r] is the candidate's token id."""
+    r = tl.program_id(0).to(tl.int64)
+    p = params_ptr + r * 5
+    temperature = tl.load(p).to(tl.float32)
+    k = tl.load(p + 1).to(tl.int32)
+    min_p = tl.load(p + 2).to(tl.float32)
+    top_p = tl.load(p + 3).to(tl.float32)
+    seed = tl.load(p + 4).to(tl.int64)
+    top_p = tl.where(top_p < 1.0, top_p, float("inf"))  # no top-p: nothing cut, whatever the rounding
+    offs = tl.arange(0, BLOCK)
+    row = values_ptr + r * stride_v
+    x = tl.load(row + offs, mask=offs < width, other=float("-inf")).to(tl.float32)
+    # the division rounded to nearest, as torch rounds it
+    v = tl.where(offs < k, tl.math.div_rn(x, temperature), float("-inf"))
+    # min-p: softmax, then what falls below min_p times the first (the largest)
+    top = tl.max(v, axis=0)
+    e = tl.exp(v - top)
+    probs = e / tl.sum(e, axis=0)
+    first = tl.max(tl.where(offs == 0, probs, 0.0), axis=0)
+    v = tl.where(probs < min_p * first, float("-inf"), v)
+    # top-p over what is left, in the sorted order
+    e = tl.exp(v - top)
+    probs = e / tl.sum(e, axis=0)
+    before = tl.cumsum(probs, axis=0) - probs
+    v = tl.where((before >= top_p) & (offs > 0), float("-inf"), v)
+    tl.store(row + offs, v, mask=offs < width)
+    u = tl.rand(seed, offs)
+    u = tl.maximum(u, 1e-20)
+    score = v - tl.log(-tl.log(u))
+    score = tl.where(offs < width, score, float("-inf"))
+    winner = tl.argmax(score, axis=0)
+    token = tl.load(ids_ptr + r * stride_i + winner)
+    tl.store(out_ptr + r, token)

@@ -254,4 +254,4 @@ def test_a_call_made_twice_alike_cannot_start_a_third_time(tokenizer: Tokenizer)
     answered = _called("Bash", cat, "e", "notes: hello") + _called("Bash", cat, "f", "notes: hello")
     for history in (stuck, answered):
         result = _run(again, tokenizer, 0, history=history)
-        assert not result["calls"] and not result["text"].startswith("<tool_call>"), result
+        assert not result["calls"] and not result["text"].lstrip().startswith(("<", "{", "`")), result

@@ -688,18 +688,46 @@ class LazyToolCallProcessor:
         self.num_masked += 1
 
 
-class NoCallProcessor:
-    """Keeps a reply from opening a tagged call (`<tool_call>`): what tool_choice auto leaves when
-    every tool the model reads was called twice alike to no end (`plan.repeated_calls`)."""
+_CALL_STARTS = ("<", "{", "`", "[")
+_call_start_ids: dict[int, tuple[Tokenizer, torch.Tensor]] = {}
 
-    def __init__(self, opener_ids: Sequence[int]) -> None:
+
+def call_start_ids(tokenizer: Tokenizer) -> torch.Tensor:
+    """Ids of the tokens whose text, leading space aside, opens with what a call written as text
+    would (`<tool_call>` spelled in pieces, a bare or fenced JSON object, a list, a special token
+    such as `<tool_response>`). Built once per tokenizer (one batched decode of the vocabulary)."""
+    with _ll_lock:
+        found = _call_start_ids.get(id(tokenizer))
+        if found is not None and found[0] is tokenizer:
+            return found[1]
+    texts = tokenizer.hf.decode_batch([[i] for i in range(tokenizer.vocab_size)], skip_special_tokens=False)
+    starts = [i for i, t in enumerate(texts) if t.lstrip().startswith(_CALL_STARTS)]
+    ids = torch.tensor(starts, dtype=torch.long)
+    with _ll_lock:
+        _call_start_ids[id(tokenizer)] = (tokenizer, ids)
+    return ids
+
+
+class NoCallProcessor:
+    """The reply may open no call: what tool_choice auto leaves once the model repeated a call
+    whose result it already has, or every tool it reads failed twice alike (`plan.repeated_calls`).
+    The call-opening special token (`<tool_call>`) is masked at every step, and the answer's first
+    token may not open what a call written as text would (`call_start_ids`); the plan's parser
+    reads no calls either (`Plan.calls_closed`), so anything call-shaped stays text."""
+
+    def __init__(self, opener_ids: Sequence[int], first_banned: torch.Tensor) -> None:
         self.opener_ids = list(opener_ids)
+        self.first_banned = first_banned
 
     def fork(self) -> NoCallProcessor:
         return self
 
     def __call__(self, generated_ids: Sequence[int], logits: torch.Tensor) -> None:
-        logits[self.opener_ids] = float("-inf")
+        if self.opener_ids:
+            logits[self.opener_ids] = float("-inf")
+        if not generated_ids:
+            banned = self.first_banned[self.first_banned < logits.shape[-1]].to(logits.device)
+            logits.index_fill_(-1, banned, float("-inf"))
 
 
 def lazy_processor_for_plan(
@@ -718,8 +746,12 @@ def lazy_processor_for_plan(
     tokenizer = plan.backend.tokenizer
     if not plan.call_tools:
         found = (tokenizer.token_to_id(t) for t in ("<tool_call>", "[TOOL_CALLS]"))
-        opener_ids = [i for i in found if i is not None]
-        return NoCallProcessor(opener_ids) if opener_ids else None
+        # the end of the turn and an opening think block stay possible first tokens
+        free = [*plan.config.stop_token_ids, *tokenizer.eos_token_ids, tokenizer.token_to_id("<think>")]
+        starts = call_start_ids(tokenizer)
+        kept = torch.tensor([i for i in free if i is not None], dtype=torch.long)
+        first = starts[~torch.isin(starts, kept)]
+        return NoCallProcessor([i for i in found if i is not None], first)
     try:
         import llguidance  # noqa: F401
     except ImportError:

@@ -37,7 +37,8 @@ class OutputPipeline:
         self.decoder = IncrementalDecoder(tokenizer)
         self.stops = StopMatcher(plan.request.stop)
         self.splitter = ReasoningSplitter(plan.start_in_reasoning) if plan.has_reasoning_markup else None
-        self.tools: ToolParser | None = make_tool_parser(plan.chat_template, plan.tools, plan.guardrails)
+        tools = [] if plan.calls_closed else plan.tools
+        self.tools: ToolParser | None = make_tool_parser(plan.chat_template, tools, plan.guardrails)
         markers = list(self.tools.special_markers) if self.tools is not None else []
         if self.splitter is not None:
             markers += self.splitter.tags

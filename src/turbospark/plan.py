@@ -65,6 +65,7 @@ class Plan:
     # error (`repeated_calls`); none (while tools are declared: the reply may open no call) once
     # it repeated a call whose good result it already has
     call_tools: list[Tool] = field(default_factory=list)
+    calls_closed: bool = False  # tools declared, none callable now: the reply is read as text only
     start_in_reasoning: bool = False  # the generation prompt opened a think block
     has_reasoning_markup: bool = False  # the model can emit <think> at all
     thinking_budget: int | None = None
@@ -443,6 +444,7 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
         tools=tools,
         guardrails=served.guardrails,
         call_tools=call_tools,
+        calls_closed=bool(tools) and not call_tools,
         start_in_reasoning=start_in_reasoning,
         has_reasoning_markup=has_reasoning,
         thinking_budget=budget if has_reasoning else None,

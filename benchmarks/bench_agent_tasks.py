@@ -147,7 +147,8 @@ TASKS = [
         "run_command",
         "Run the command `python3 magic.py` and tell me exactly what it prints.",
         {"magic.py": "print(sum(range(1234)) * 3)\n"},
-        lambda d, t: "2284983" in t.result and "2284983" in t.results_text(),
+        # sum(range(1234)) * 3 = 2282283 (the check named 2284983 before: no run could pass it)
+        lambda d, t: "2282283" in t.result and "2282283" in t.results_text(),
     ),
     Task(
         "answer_no_tools",

@@ -29,6 +29,7 @@ from turbospark.plan import (
     brief_text,
     make_plan,
     repeated_calls,
+    tool_guide,
 )
 from turbospark.registry import ModelRegistry, ServedModel
 from turbospark.request import (
@@ -150,6 +151,22 @@ def test_tool_focus_narrows_what_the_model_reads_and_may_start() -> None:
     assert plan(registry(focus_tools=AGENT_CORE_TOOLS), tools=few).call_tools == few
     one = [AGENT_TOOLS[1], *AGENT_TOOLS[5:], Tool("Other", "x"), Tool("More", "y")]
     assert plan(registry(focus_tools=AGENT_CORE_TOOLS), tools=one).call_tools == one
+
+
+def test_a_focused_tool_list_comes_with_a_guide_unless_the_server_has_a_tool_prompt() -> None:
+    guide = "Use Read to read a file, Bash to run a command and Edit to change a file."
+    focused = plan(registry(focus_tools=AGENT_CORE_TOOLS), tools=AGENT_TOOLS).prompt_text
+    assert guide in focused and focused.index(guide) < focused.index("The Bash tool.")
+    assert "Use Read" not in plan(registry(), tools=AGENT_TOOLS).prompt_text  # not focused: no guide
+    own = plan(
+        registry(focus_tools=AGENT_CORE_TOOLS, tool_prompt="Be careful."), tools=AGENT_TOOLS
+    ).prompt_text
+    assert "Be careful." in own and "Use Read" not in own
+    assert tool_guide([Tool("shell", ""), Tool("apply_patch", ""), Tool("update_plan", "")]) == (
+        "Use shell to run a command and apply_patch to change a file. "
+        "When a tool result arrives, answer the user with what it says."
+    )
+    assert tool_guide([Tool("Bash", ""), Tool("Agent", "")]) is None
 
 
 def test_tool_focus_is_the_agent_core_for_small_models_by_default() -> None:

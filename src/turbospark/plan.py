@@ -263,6 +263,32 @@ AGENT_CORE_TOOLS = (
     "shell", "exec_command", "apply_patch",
     "bash", "read", "write", "edit", "glob", "grep", "list",
 )  # fmt: skip
+# What each of those is for, in the order the tool guide names them (`tool_guide`)
+_CORE_PURPOSES = {
+    "read a file": ("Read", "read"),
+    "run a command": ("Bash", "bash", "shell", "exec_command"),
+    "find files by name": ("Glob", "glob"),
+    "search inside files": ("Grep", "grep"),
+    "list a folder": ("LS", "list"),
+    "create a file": ("Write", "write"),
+    "change a file": ("Edit", "edit", "apply_patch"),
+    "make several changes to one file": ("MultiEdit",),
+}
+
+
+def tool_guide(tools: list[Tool]) -> str | None:
+    """The line a small model reads after the system prompt when its tools were focused and the
+    server has no `--tool-prompt`: which of them does what, and to answer from a result. With it
+    qwen2.5-coder:1.5b read config.ini with Read instead of searching it with Grep
+    (benchmarks/RESULTS.md); None when fewer than two of the tools are known here."""
+    names = {t.name for t in tools}
+    uses = [
+        f"{name} to {purpose}" for purpose, known in _CORE_PURPOSES.items() for name in known if name in names
+    ]
+    if len(uses) < 2:
+        return None
+    listed = ", ".join(uses[:-1]) + " and " + uses[-1]
+    return f"Use {listed}. When a tool result arrives, answer the user with what it says."
 
 
 def focus_tools(tools: list[Tool], names: tuple[str, ...]) -> list[Tool]:
@@ -368,8 +394,9 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
         prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=request.add_special_tokens)
     else:
         messages = _with_default_system(request.messages, served.default_system)
-        if tools and served.tool_prompt:
-            messages = _with_tool_prompt(messages, served.tool_prompt)
+        guide = served.tool_prompt or (tool_guide(shown) if shown is not tools else None)
+        if tools and guide:
+            messages = _with_tool_prompt(messages, guide)
         try:
             prompt_text = render_chat_template(
                 template,

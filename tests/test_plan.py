@@ -42,6 +42,7 @@ from turbospark.request import (
     ToolChoiceMode,
 )
 from turbospark.scripted import ScriptedChatModel
+from turbospark.toolcalls.guardrails import GuardrailConfig
 
 WEATHER = Tool("get_weather", "Weather for a city")
 CONTEXT = 2048
@@ -219,6 +220,20 @@ def test_tools_called_twice_alike_leave_the_calls_the_model_may_start() -> None:
     assert "The Bash tool." in failing.prompt_text  # the model still reads it: the prompt's prefix is kept
     # the same good result twice: the model has what it needs, and answers
     assert plan(reg, tools=AGENT_TOOLS, messages=twice("a.txt")).call_tools == []
+    answers = plan(reg, tools=AGENT_TOOLS, messages=twice("a.txt"))
+    assert answers.calls_closed and not failing.calls_closed
+    # tool_choice required must still end in a call the parser reads, and with the call grammar
+    # off (--no-constrained-calls) nothing is narrowed: the guard is the grammar's
+    required = ToolChoice(ToolChoiceMode.REQUIRED)
+    for p in (
+        plan(reg, tools=AGENT_TOOLS, messages=twice("a.txt"), tool_choice=required),
+        plan(
+            registry(focus_tools=AGENT_CORE_TOOLS, guardrails=GuardrailConfig(constrain_calls=False)),
+            tools=AGENT_TOOLS,
+            messages=twice("a.txt"),
+        ),
+    ):
+        assert [t.name for t in p.call_tools] == ["Bash", "Edit", "Read"] and not p.calls_closed
 
 
 @pytest.mark.parametrize(

@@ -65,10 +65,14 @@ class Plan:
     # error (`repeated_calls`); none (while tools are declared: the reply may open no call) once
     # it repeated a call whose good result it already has
     call_tools: list[Tool] = field(default_factory=list)
-    calls_closed: bool = False  # tools declared, none callable now: the reply is read as text only
     start_in_reasoning: bool = False  # the generation prompt opened a think block
     has_reasoning_markup: bool = False  # the model can emit <think> at all
     thinking_budget: int | None = None
+
+    @property
+    def calls_closed(self) -> bool:
+        """Tools are declared but none may be called now: the reply is read as text only."""
+        return bool(self.tools) and not self.call_tools
 
     def config_for_choice(self, index: int) -> GenerationConfig:
         """A fresh config per choice: choices of one seeded request differ but reproduce."""
@@ -381,7 +385,10 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
     has_reasoning = think_id is not None or "<think>" in template
 
     shown = focus_tools(tools, served.focus_tools)
-    again = repeated_calls(request.messages) if tools else {}
+    # the guard narrows what a started call is held to: tool_choice auto under the call grammar
+    # only (required and named tools must still end in a call, and the parser must read it)
+    guarded = request.tool_choice.mode is ToolChoiceMode.AUTO and served.guardrails.constrain_calls
+    again = repeated_calls(request.messages) if tools and guarded else {}
     # a repeated call's good result is in view: the reply answers with it; errors: another tool
     call_tools = [t for t in shown if t.name not in again] if all(again.values()) else []
     if again:
@@ -471,7 +478,6 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
         tools=tools,
         guardrails=served.guardrails,
         call_tools=call_tools,
-        calls_closed=bool(tools) and not call_tools,
         start_in_reasoning=start_in_reasoning,
         has_reasoning_markup=has_reasoning,
         thinking_budget=budget if has_reasoning else None,

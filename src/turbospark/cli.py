@@ -168,21 +168,26 @@ def model_specs(args: argparse.Namespace) -> list[str]:
 BRIEF_TOOLS_BELOW = 4_000_000_000
 
 
+def _small(backend: Backend) -> bool:
+    """Under `BRIEF_TOOLS_BELOW` parameters: what the `auto` of the tool options looks at (a model
+    that does not say its size is not small)."""
+    return 0 < backend.details().num_parameters < BRIEF_TOOLS_BELOW
+
+
 def brief_tools(choice: str, backend: Backend) -> bool:
-    """`--tool-descriptions` for one loaded model: brief, full, or auto (brief below
-    `BRIEF_TOOLS_BELOW` parameters; a model that does not say its size reads them whole)."""
+    """`--tool-descriptions` for one loaded model: brief, full, or auto (brief for `_small`)."""
     if choice != "auto":
         return choice == "brief"
-    return 0 < backend.details().num_parameters < BRIEF_TOOLS_BELOW
+    return _small(backend)
 
 
 def focus_tools(choice: str, backend: Backend) -> tuple[str, ...]:
     """`--tool-focus` for one loaded model: off, a comma-separated list of tool names, or auto
-    (`plan.AGENT_CORE_TOOLS` below `BRIEF_TOOLS_BELOW` parameters, else off)."""
+    (`plan.AGENT_CORE_TOOLS` for `_small` models, else off)."""
     if choice == "off":
         return ()
     if choice == "auto":
-        return AGENT_CORE_TOOLS if 0 < backend.details().num_parameters < BRIEF_TOOLS_BELOW else ()
+        return AGENT_CORE_TOOLS if _small(backend) else ()
     return tuple(name.strip() for name in choice.split(",") if name.strip())
 
 

@@ -502,7 +502,7 @@ def _sample_on_device(
         c = row.config
         # one seed per row from its own generator (CPU generators: no device sync)
         seed = int(torch.randint(0, 2**31 - 1, (), generator=row.generator))
-        k = c.top_k if c.top_k and 0 < c.top_k < vocab else vocab
+        k = _top_k(c, vocab)
         truncates = k < vocab or c.min_p > 0.0 or c.top_p < 1.0
         route = 2 if not truncates else 0 if k <= limit else 1
         groups[route].append(i)
@@ -534,6 +534,11 @@ def _sample_on_device(
         out[i] = TokenEvent(token_id=int(token_id))
 
 
+def _top_k(config: GenerationConfig, vocab: int) -> int:
+    """The candidates a row's top-k keeps: the whole vocabulary where it sets none."""
+    return config.top_k if config.top_k and 0 < config.top_k < vocab else vocab
+
+
 def truncate_rows(
     logits: torch.Tensor, configs: Sequence[GenerationConfig]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -546,7 +551,7 @@ def truncate_rows(
     positive temperature keeps the order."""
     vocab = logits.shape[1]
     device = logits.device
-    ks = [c.top_k if c.top_k and 0 < c.top_k < vocab else vocab for c in configs]
+    ks = [_top_k(c, vocab) for c in configs]
     inf = float("inf")
     # temperature, top-k, min-p, top-p (inf where off: nothing cut, whatever the rounding of
     # its cumulative sum) per row: one host tensor, one copy

@@ -186,6 +186,8 @@ class TimingProxy:
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream
         self.exchanges: list[Exchange] = []
+        # `--requests DIR`: each /v1/messages body is written to capture_to / NN.json (replays)
+        self.capture_to: Path | None = None
         self.port = free_port()
         proxy = self
 
@@ -198,6 +200,7 @@ class TimingProxy:
             def _forward(self) -> None:
                 length = int(self.headers.get("content-length") or 0)
                 body = self.rfile.read(length) if length else b""
+                proxy.capture(self.path, body)
                 headers = {
                     k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")
                 }
@@ -233,6 +236,13 @@ class TimingProxy:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def capture(self, path: str, body: bytes) -> None:
+        if self.capture_to is None or not path.startswith("/v1/messages") or "count_tokens" in path:
+            return
+        self.capture_to.mkdir(parents=True, exist_ok=True)
+        number = len(list(self.capture_to.glob("*.json")))
+        (self.capture_to / f"{number:02d}.json").write_bytes(body)
 
     @property
     def url(self) -> str:
@@ -311,6 +321,7 @@ def run_task(
     base: Path,
     timeout: float,
     transcripts: Path | None = None,
+    requests: Path | None = None,
 ) -> TaskRow:
     row = TaskRow(variant, task.name)
     home, work = base / "home", base / "project"
@@ -324,6 +335,7 @@ def run_task(
     env["CLAUDE_STREAM_IDLE_TIMEOUT_MS"] = str(int(timeout * 1000))
     rejects_before = metric_sum(server_url, "turbospark_tool_calls_total", 'outcome="returned_as_text"')
     first_exchange = len(proxy.exchanges)
+    proxy.capture_to = requests / f"{variant}-{task.name}" if requests is not None else None
     started = time.monotonic()
     cmd = [
         "claude",
@@ -402,8 +414,9 @@ def run_variant(name: str, serve_args: str, args: argparse.Namespace, tasks: lis
             print(f"{name}: warm-up turn {row.wall_s:.0f} s, first TTFT {row.first_ttft_s} s", flush=True)
         for task in tasks:
             row = run_task(
-                task, name, args.model, proxy, server.url, Path(tmp), args.timeout, args.transcripts
-            )
+                task, name, args.model, proxy, server.url, Path(tmp), args.timeout, args.transcripts,
+                args.requests,
+            )  # fmt: skip
             rows.append(row)
             print(json.dumps(asdict(row)), flush=True)
     return rows
@@ -445,6 +458,11 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument(
         "--transcripts", type=Path, help="write each task's Claude Code stream-json here (VARIANT-TASK.jsonl)"
+    )
+    ap.add_argument(
+        "--requests",
+        type=Path,
+        help="write each /v1/messages request Claude Code sends here (VARIANT-TASK/NN.json), to replay",
     )
     ap.add_argument(
         "--no-warm-up",

@@ -191,6 +191,17 @@ def force_replay(runner: ModelRunner, outputs: dict[tuple[int, ...], list[int]])
     return undo
 
 
+def format_profile(summary: dict[str, dict[str, Any]]) -> str:
+    """`--profile`: per step kind, steps, mean ms a step, and its parts' mean ms."""
+    out = []
+    for kind, row in summary.items():
+        if kind == "all":
+            continue
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in row["ms"].items() if v >= 0.05)
+        out.append(f"{kind}: {row['steps']} steps, {row['total_ms']:.1f} ms ({parts})")
+    return "; ".join(out)
+
+
 def run_batch(
     engine: Any, prompt: list[int], config: GenerationConfig, batch: int
 ) -> tuple[list[int], float]:
@@ -239,6 +250,11 @@ def main() -> None:
     parser.add_argument("--draft-model", default=None, help="mode 'draft' drafts with this model")
     parser.add_argument("--record", help="write each workload's prompt and first mode's output ids here")
     parser.add_argument("--replay", help="force the outputs recorded in this file (see the docstring)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="print each mode's engine step split (decode / verify steps: ms a step, forward ms)",
+    )
     parser.add_argument("--batch", default="1", help="comma-separated: copies of each request at once")
     args = parser.parse_args()
 
@@ -319,9 +335,14 @@ def main() -> None:
                             for ids in earlier:
                                 speculator.proposer.responses.add(ids)  # type: ignore[attr-defined]
                     engine.speculator = speculator
+                    if args.profile:
+                        engine.enable_profile(1 << 30)
                     # later modes hit the prefix cache: only the decode (first token to last) is timed
                     ids, rate = run_batch(engine, prompt, config, batch)
                     rates[mode].append(rate)
+                    if args.profile and engine.profile is not None:
+                        print(f"#   {mode:<8} {name:<9} {format_profile(engine.profile.summary())}")
+                        engine.profile = None
                     texts.setdefault(mode, ids)
                     if speculator is not None:
                         counts[mode] = (speculator.num_accepted, speculator.num_proposed)

@@ -23,6 +23,7 @@ from turbospark.cli import brief_tools, focus_tools
 from turbospark.errors import ApiError
 from turbospark.plan import (
     AGENT_CORE_TOOLS,
+    FOCUS_TEMPERATURE,
     REPEAT_WINDOW,
     THINKING_BUDGETS,
     Plan,
@@ -168,6 +169,45 @@ def test_a_focused_tool_list_comes_with_a_guide_unless_the_server_has_a_tool_pro
         "When a tool result arrives, answer the user with what it says."
     )
     assert tool_guide([Tool("Bash", ""), Tool("Agent", "")]) is None
+
+
+def test_a_focused_conversation_is_rendered_for_a_small_model() -> None:
+    reminder = "<system-reminder>\nToday's date is 2026-12-07.\n</system-reminder>\n\n"
+    messages = [
+        Message("system", "You are an agent."),
+        Message("user", reminder + "What port does config.ini set?"),
+        Message("system", "Available agent types for the Agent tool: Explore, Plan."),
+        Message("system", "Keep answers short."),
+        Message("assistant", tool_calls=[ToolCall("1", "Read", '{"file_path": "config.ini"}')]),
+        Message("tool", "1\t[server]\n2\tport = 48213\n3\t", tool_call_id="1", name="Read"),
+    ]
+    focused = plan(registry(focus_tools=AGENT_CORE_TOOLS), tools=AGENT_TOOLS, messages=messages)
+    text = focused.prompt_text
+    assert "Available agent types" not in text and "Keep answers short." in text
+    assert "system-reminder" not in text and "Today's date" not in text
+    assert "[server]\nport = 48213\n" in text and "1\t[server]" not in text
+    assert text.index("port = 48213") < text.index("(The user asked: What port does config.ini set?)")
+    assert focused.config.temperature == FOCUS_TEMPERATURE
+    assert messages[1].content.startswith("<system-reminder>")  # the request itself is untouched
+    # a request's own temperature stands; so does everything when the tools are not focused (few)
+    sent = plan(
+        registry(focus_tools=AGENT_CORE_TOOLS),
+        tools=AGENT_TOOLS,
+        messages=messages,
+        sampling=SamplingParams(temperature=0.9),
+    )
+    assert sent.config.temperature == 0.9
+    whole = plan(registry(focus_tools=AGENT_CORE_TOOLS), tools=AGENT_TOOLS[:5], messages=messages)
+    assert "Available agent types" in whole.prompt_text and "1\t[server]" in whole.prompt_text
+    assert "system-reminder" in whole.prompt_text and "(The user asked" not in whole.prompt_text
+    assert whole.config.temperature != FOCUS_TEMPERATURE
+    # a result that is not cat -n shaped keeps its digits; a later turn is not reminded again
+    later = [*messages, Message("assistant", "48213"), Message("user", "Thanks")]
+    ls = Message("tool", "12 files\nsrc", tool_call_id="1", name="Bash")
+    kept = plan(
+        registry(focus_tools=AGENT_CORE_TOOLS), tools=AGENT_TOOLS, messages=[*later[:5], ls, *later[6:]]
+    ).prompt_text
+    assert "12 files\nsrc" in kept and "(The user asked" not in kept
 
 
 def test_tool_focus_is_the_agent_core_for_small_models_by_default() -> None:

@@ -667,7 +667,11 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         help="of a request declaring more than 8 tools, the model reads and may start calls to only "
         "these (calls to the others it writes anyway are still read as calls). auto (default): the "
-        "shell and file tools of Claude Code, Codex and OpenCode, for models under 4B parameters",
+        "shell and file tools of Claude Code, Codex and OpenCode, for models under 4B parameters. "
+        "A focused request is also rendered for a small model (plan.focused_messages: the hidden "
+        "tools' system messages and <system-reminder> blocks left out, Read's line numbers dropped, "
+        "the request repeated after the last tool result) and sampled at temperature 0.2 unless it "
+        "sets one",
     )
     s.add_argument("--reasoning", choices=[e.value for e in ReasoningEffort], help="default reasoning effort")
     s.add_argument(

@@ -357,6 +357,53 @@ def _with_tool_prompt(messages: list[Message], text: str) -> list[Message]:
     return [Message(role="system", content=text), *messages]
 
 
+# A focused request that gives no temperature samples at this (`focused_messages` says why)
+FOCUS_TEMPERATURE = 0.2
+_LINE_NUMBERS = re.compile(r"^ *\d+\t", re.M)
+_REMINDERS = re.compile(r"<system-reminder>.*?</system-reminder>\s*", re.S)
+
+
+def _without_reminders(text: str) -> str:
+    return _REMINDERS.sub("", text)
+
+
+def focused_messages(messages: list[Message], shown: list[Tool], tools: list[Tool]) -> list[Message]:
+    """An agent's conversation as a small model reads it when its tools were focused
+    (`focus_tools`), from replays of the requests where qwen2.5-coder:1.5b went wrong in Claude
+    Code's tasks (benchmarks/RESULTS.md):
+
+    - a system message after the first that speaks of a tool the model no longer sees (Claude
+      Code's agent list "for the Agent tool", its skill list for the Skill tool) is left out: the
+      model answered those lists, or refused ("I can't assist") after reading them (putting the
+      tool guide in their place made it call Read for every task, `cat notes.txt` included);
+    - `<system-reminder>` blocks in user messages (the date, and context the client attaches) are
+      left out: the model echoed them instead of answering;
+    - a tool result in `cat -n` form (every line a line number and a tab: Claude Code's Read) loses
+      the numbers, which the model copied into files it wrote;
+    - when the conversation ends with a tool result, the user's request follows it once more,
+      "(The user asked: ...)": the model re-ran the call instead of answering from its result.
+
+    The client's messages are not changed; `serve --tool-focus off` renders them as sent."""
+    seen = {t.name for t in shown}
+    hidden = [t.name for t in tools if t.name not in seen]
+    out: list[Message] = []
+    for i, m in enumerate(messages):
+        if i > 0 and m.role == "system" and any(f"{name} tool" in m.content for name in hidden):
+            continue
+        if m.role == "user" and "<system-reminder>" in m.content:
+            m = replace(m, content=_without_reminders(m.content))
+        elif m.role == "tool":
+            lines = [line for line in m.content.split("\n") if line.strip()]
+            if lines and all(_LINE_NUMBERS.match(line) for line in lines):
+                m = replace(m, content=_LINE_NUMBERS.sub("", m.content))
+        out.append(m)
+    if out and out[-1].role == "tool":
+        asked = next((m.content.strip() for m in reversed(out) if m.role == "user" and m.content.strip()), "")
+        if asked:
+            out[-1] = replace(out[-1], content=f"{out[-1].content}\n\n(The user asked: {asked})")
+    return out
+
+
 def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
     check_request(request, registry.limits)
     tools = callable_tools(request)  # the request alone decides this: refused before any lookup
@@ -402,6 +449,8 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
     else:
         messages = _with_default_system(request.messages, served.default_system)
         guide = served.tool_prompt or (tool_guide(shown) if shown is not tools else None)
+        if shown is not tools:
+            messages = focused_messages(messages, shown, tools)
         if tools and guide:
             messages = _with_tool_prompt(messages, guide)
         try:
@@ -444,6 +493,10 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
                 "logit_bias",
             )
     sampling = resolve_sampling(sp, served.sampling_defaults)
+    if shown is not tools and sp.temperature is None:
+        # a small model picking and filling tool calls: its card's 0.7 made it wander off a
+        # result it had (the same replays as `focused_messages`)
+        sampling = replace(sampling, temperature=FOCUS_TEMPERATURE)
     config = GenerationConfig(
         max_new_tokens=max_new,
         stop_token_ids=tokenizer.eos_token_ids,

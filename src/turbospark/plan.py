@@ -363,10 +363,6 @@ _LINE_NUMBERS = re.compile(r"^ *\d+\t", re.M)
 _REMINDERS = re.compile(r"<system-reminder>.*?</system-reminder>\s*", re.S)
 
 
-def _without_reminders(text: str) -> str:
-    return _REMINDERS.sub("", text)
-
-
 def focused_messages(messages: list[Message], shown: list[Tool], tools: list[Tool]) -> list[Message]:
     """An agent's conversation as a small model reads it when its tools were focused
     (`focus_tools`), from replays of the requests where qwen2.5-coder:1.5b went wrong in Claude
@@ -391,7 +387,7 @@ def focused_messages(messages: list[Message], shown: list[Tool], tools: list[Too
         if i > 0 and m.role == "system" and any(f"{name} tool" in m.content for name in hidden):
             continue
         if m.role == "user" and "<system-reminder>" in m.content:
-            m = replace(m, content=_without_reminders(m.content))
+            m = replace(m, content=_REMINDERS.sub("", m.content))
         elif m.role == "tool":
             lines = [line for line in m.content.split("\n") if line.strip()]
             if lines and all(_LINE_NUMBERS.match(line) for line in lines):
@@ -432,6 +428,7 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
     has_reasoning = think_id is not None or "<think>" in template
 
     shown = focus_tools(tools, served.focus_tools)
+    focused = shown is not tools  # `focus_tools` returns the list itself when it keeps all
     # the guard narrows what a started call is held to: tool_choice auto under the call grammar
     # only (required and named tools must still end in a call, and the parser must read it)
     guarded = request.tool_choice.mode is ToolChoiceMode.AUTO and served.guardrails.constrain_calls
@@ -440,7 +437,7 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
     call_tools = [t for t in shown if t.name not in again] if all(again.values()) else []
     if again:
         TOOL_STEERING.labels(kind="repeat").inc()
-    if shown is not tools:
+    if focused:
         TOOL_STEERING.labels(kind="focus").inc()
 
     if request.prompt is not None:
@@ -448,8 +445,8 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
         prompt_ids = tokenizer.encode(prompt_text, add_special_tokens=request.add_special_tokens)
     else:
         messages = _with_default_system(request.messages, served.default_system)
-        guide = served.tool_prompt or (tool_guide(shown) if shown is not tools else None)
-        if shown is not tools:
+        guide = served.tool_prompt or (tool_guide(shown) if focused else None)
+        if focused:
             messages = focused_messages(messages, shown, tools)
         if tools and guide:
             messages = _with_tool_prompt(messages, guide)
@@ -493,7 +490,7 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
                 "logit_bias",
             )
     sampling = resolve_sampling(sp, served.sampling_defaults)
-    if shown is not tools and sp.temperature is None:
+    if focused and sp.temperature is None:
         # a small model picking and filling tool calls: its card's 0.7 made it wander off a
         # result it had (the same replays as `focused_messages`)
         sampling = replace(sampling, temperature=FOCUS_TEMPERATURE)

@@ -46,9 +46,10 @@ def test_q4_matmul_is_the_dequantized_product(
     sz = sz.float().transpose(0, 1)  # (out, groups, 2)
     scales, offsets = sz[..., 0], sz[..., 1] - 8 * sz[..., 0]
     blocks = native.pack_q4(codes, scales, offsets, group)
-    assert blocks.codes.shape == (out_features, in_features // 2)
-    padded = -(-in_features // 32 // native.SCALE_GROUP) * native.SCALE_GROUP  # 18 blocks -> 24
-    assert blocks.scales.shape == blocks.offsets.shape == (out_features, padded)
+    groups = -(-out_features // native.Q4_COLS)  # 7 columns -> one group, padded to 8
+    assert blocks.codes.shape == (groups, in_features // 32, 128)
+    assert blocks.scales.shape == blocks.offsets.shape == (groups, in_features // 32, native.Q4_COLS)
+    assert blocks.out_features == out_features
     # fp16 scales and offsets, as the blocks hold them
     s16, o16 = scales.half().float(), offsets.half().float()
     weight = (codes.view(out_features, -1, group).float() * s16[..., None] + o16[..., None]).view(w.shape)

@@ -55,7 +55,7 @@ VNNI_FLAGS = ("-mavx512vnni", "-mavx512vl")
 VNNI_CPU_FLAGS = frozenset({"avx512_vnni", "avx512vl"})
 VNNI_ENV_VAR = kernel_settings.ENV_VARS["native_vnni"]
 BLOCK = 32  # inputs per quantization block (activations and q4 weights)
-SCALE_GROUP = 8  # q4 scale rows are padded to a multiple of this many blocks
+Q4_COLS = 8  # output columns of a q4 weight stored together (the C side's Q4_COLS)
 MAX_ROWS = 8  # rows per call (the C side's MAX_ROWS)
 COMPILE_TIMEOUT_S = 120
 KV_DTYPES = (torch.float32, torch.float16)  # KV caches the decode attention reads
@@ -204,33 +204,34 @@ def supports(in_features: int, bits: int = 8) -> bool:
 class Q4Weight:
     """The q4 kernel's layout of w = code * scale + offset (see `pack_q4`)."""
 
-    codes: torch.Tensor  # (out, in / 2) uint8
-    scales: torch.Tensor  # (out, blocks padded to SCALE_GROUP) fp16, one per 32 inputs
+    codes: torch.Tensor  # (groups of Q4_COLS columns, blocks, 128) uint8
+    scales: torch.Tensor  # (groups, blocks, Q4_COLS) fp16, one per 32 inputs of a column
     offsets: torch.Tensor  # the same shape
-
-    @property
-    def out_features(self) -> int:
-        return int(self.codes.shape[0])
+    out_features: int
 
 
 def pack_q4(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int) -> Q4Weight:
     """codes (out, in) integers in [0, 15]; scales and offsets (out, in / group_size) float, one
-    per group (a multiple of 32 inputs). Per 64 inputs 32 bytes, byte i = code i | code (32 + i)
-    << 4, so one load gives two blocks' codes; the fp16 scales and offsets per 32 inputs, in rows
-    padded with zeros to a multiple of 8 blocks."""
+    per group (a multiple of 32 inputs). Stored by groups of `Q4_COLS` output columns (out padded
+    with zero columns): per group and block of 32 inputs 128 bytes, [j][column][i] with byte =
+    code of input 4j + i | code of input 16 + 4j + i << 4, so one 32-byte load holds four inputs
+    of each column of the group; scales and offsets (groups, blocks, Q4_COLS) fp16."""
     out_features, in_features = codes.shape
     blocks = in_features // BLOCK
-    padded = -(-blocks // SCALE_GROUP) * SCALE_GROUP
+    groups = -(-out_features // Q4_COLS)
+    pad = groups * Q4_COLS - out_features
     repeat = group_size // BLOCK
 
     def per_block(v: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(out_features, padded, dtype=torch.float16)
-        out[:, :blocks] = v.float().repeat_interleave(repeat, dim=1)
-        return out
+        full = torch.nn.functional.pad(v.float().repeat_interleave(repeat, dim=1), (0, 0, 0, pad))
+        return full.view(groups, Q4_COLS, blocks).transpose(1, 2).to(torch.float16).contiguous()
 
-    c = codes.to(torch.uint8).view(out_features, in_features // (2 * BLOCK), 2, BLOCK)
-    nibbles = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(out_features, in_features // 2)
-    return Q4Weight(nibbles.contiguous(), per_block(scales), per_block(offsets))
+    c = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad))
+    # (group, column, block, half, j, i): input 32 * block + 16 * half + 4 * j + i
+    c = c.view(groups, Q4_COLS, blocks, 2, 4, 4)
+    nibbles = c[:, :, :, 0] | (c[:, :, :, 1] << 4)  # (group, column, block, j, i)
+    laid = nibbles.permute(0, 2, 3, 1, 4).reshape(groups, blocks, 4 * Q4_COLS * 4).contiguous()
+    return Q4Weight(laid, per_block(scales), per_block(offsets), out_features)
 
 
 def _compiler() -> str | None:

@@ -8,10 +8,13 @@
  * is read once for all the rows of a call, so a batch of a few decodes costs about one.
  *
  * Weights:
- * - q4: codes (out, in / 2) bytes, per 64 inputs 32 bytes whose byte i holds code i in its low
- *   nibble and code 32 + i in its high one (codes in [0, 15]); fp16 d and m (out, blocks padded
- *   to a multiple of 8) per block of 32 inputs; w = d * code + m. `in` a multiple of 64. The
- *   scales lie apart from the codes so eight blocks' scales load and convert in one go.
+ * - q4: w = d * code + m, codes in [0, 15], fp16 d and m per block of 32 inputs, stored by
+ *   groups of 8 output columns (`out` padded to a multiple of 8 with zero columns): per group
+ *   and block, 128 bytes of codes, [j (4)][column (8)][i (4)], byte = code of input 4j + i in
+ *   its low nibble and of input 16 + 4j + i in its high one; then d and m as (groups, blocks, 8)
+ *   fp16. So one 32-byte load holds four inputs of each of the eight columns, a column to each
+ *   32-bit lane, for a byte dot product against four inputs of an activation row broadcast
+ *   (the layout llama.cpp's repacked x86 kernels use). `in` a multiple of 64.
  * - q8: int8 codes (out, in) in [-127, 127] and one float scale per output row.
  * Activations and outputs are float32, row-major; `in` is a multiple of 32.
  *
@@ -48,7 +51,9 @@
 #define QK 32
 #define MAX_ROWS 8
 
-#define SCALE_GROUP 8 /* blocks whose scales are read together; scale rows are padded to it */
+#define SCALE_GROUP 8 /* activation scale rows are padded to a multiple of this many blocks */
+#define Q4_COLS 8       /* output columns of a q4 weight stored together (one group) */
+#define Q4_GROUP_BYTES (Q4_COLS * QK / 2) /* one block of one group: 128 bytes of codes */
 
 static inline int padded_blocks(int k) { return (k / QK + SCALE_GROUP - 1) / SCALE_GROUP * SCALE_GROUP; }
 
@@ -360,49 +365,52 @@ typedef struct {
     int k, nb, nbp; /* width, blocks, blocks padded (the stride of scale and sum) */
 } xrows;
 
-/* blocks g + lane and g + lane + 1 of a q4 weight row (one 32-byte load of codes) against `ROWS`
- * activation rows, each scaled by its lane of the rows' combined scales s8 */
-INLINE void q4_pair(const uint8_t *restrict codes, int g, const int lane, xrows x, const int ROWS, __m256i low4,
-                    __m256i ones, const __m256 *s8, __m256 *acc0, __m256 *acc1) {
-    const int b = g + lane;
-    const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + (size_t)b * (QK / 2)));
-    const __m256i ca = _mm256_and_si256(v, low4), cb = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    const __m256i la = _mm256_set1_epi32(lane), lb = _mm256_set1_epi32(lane + 1);
-    for (int r = 0; r < ROWS; r++) {
-        const int8_t *xr = x.q + (size_t)r * x.k + (size_t)b * QK;
-        const __m256i pa = DOT_U8S8(ca, _mm256_load_si256((const __m256i *)xr));
-        const __m256i pb = DOT_U8S8(cb, _mm256_load_si256((const __m256i *)(xr + QK)));
-        acc0[r] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(s8[r], la), _mm256_cvtepi32_ps(pa), acc0[r]);
-        acc1[r] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(s8[r], lb), _mm256_cvtepi32_ps(pb), acc1[r]);
-    }
-}
-
-/* one output row of a q4 weight against `ROWS` quantized activation rows. Per 8 blocks: their
- * weight scales times the rows' activation scales in one multiply, the offset term as one FMA
- * against the rows' block sums; per 2 blocks one 32-byte load of codes split into two registers
- * of 32 codes; per block and row one byte multiply-add, scaled by its lane of the scales. */
-INLINE void q4_dot(const uint8_t *restrict codes, const uint16_t *restrict d16, const uint16_t *restrict m16,
-                   xrows x, const int ROWS, float *out) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    __m256 acc0[MAX_ROWS], acc1[MAX_ROWS], macc[MAX_ROWS], s8[MAX_ROWS];
-    for (int r = 0; r < ROWS; r++) acc0[r] = acc1[r] = macc[r] = _mm256_setzero_ps();
-    for (int g = 0; g < x.nb; g += SCALE_GROUP) {
-        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d16 + g)));
-        const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m16 + g)));
+/* Eight output columns of a q4 weight (one group, see the layout at the top) against `ROWS`
+ * activation rows. Each 32-bit lane of a register holds one column, so per block and row eight
+ * byte dot products (each: four inputs of all eight columns against those four inputs of the
+ * row, broadcast) sum into one int32 vector, which is scaled by the eight columns' scales times
+ * the row's block scale in one FMA, and the offset term is a second FMA; no horizontal sums. The
+ * block's codes are loaded and split into nibbles once for all rows. Each row's arithmetic is the
+ * same whatever ROWS is: a row's outputs do not depend on the call's row count. */
+INLINE void q4_group(const uint8_t *restrict codes, const uint16_t *restrict d16, const uint16_t *restrict m16,
+                     xrows x, const int ROWS, __m256 *acc, __m256 *macc) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+#ifndef __AVX512VNNI__
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    for (int r = 0; r < ROWS; r++) acc[r] = macc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < x.nb; b++) {
+        const uint8_t *cb = codes + (size_t)b * Q4_GROUP_BYTES;
+        __m256i w[8];
+        for (int j = 0; j < 4; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(cb + 32 * j));
+            w[j] = _mm256_and_si256(v, low4);
+            w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d16 + (size_t)b * Q4_COLS)));
+        const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m16 + (size_t)b * Q4_COLS)));
         for (int r = 0; r < ROWS; r++) {
-            s8[r] = _mm256_mul_ps(d8, _mm256_loadu_ps(x.scale + r * x.nbp + g));
-            macc[r] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(x.sum + r * x.nbp + g), macc[r]);
-        }
-        if (g + SCALE_GROUP <= x.nb) { /* a whole group: lanes known at compile time, loop unrolled */
-            q4_pair(codes, g, 0, x, ROWS, low4, ones, s8, acc0, acc1);
-            q4_pair(codes, g, 2, x, ROWS, low4, ones, s8, acc0, acc1);
-            q4_pair(codes, g, 4, x, ROWS, low4, ones, s8, acc0, acc1);
-            q4_pair(codes, g, 6, x, ROWS, low4, ones, s8, acc0, acc1);
-        } else {
-            for (int b = g; b < x.nb; b += 2) q4_pair(codes, g, b - g, x, ROWS, low4, ones, s8, acc0, acc1);
+            const int32_t *xr = (const int32_t *)(x.q + (size_t)r * x.k + (size_t)b * QK);
+#ifdef __AVX512VNNI__
+            __m256i s0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[0], _mm256_set1_epi32(xr[0]));
+            __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[4], _mm256_set1_epi32(xr[4]));
+            for (int j = 1; j < 4; j++) {
+                s0 = _mm256_dpbusd_epi32(s0, w[j], _mm256_set1_epi32(xr[j]));
+                s1 = _mm256_dpbusd_epi32(s1, w[j + 4], _mm256_set1_epi32(xr[j + 4]));
+            }
+            const __m256i s = _mm256_add_epi32(s0, s1);
+#else
+            /* pairs of u4 x s8 products in int16: at most 2 * 15 * 128 per pair, so eight of them
+             * summed stay below 2^15 */
+            __m256i p = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xr[0]));
+            for (int j = 1; j < 8; j++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xr[j])));
+            const __m256i s = _mm256_madd_epi16(p, ones);
+#endif
+            const __m256 scale = _mm256_mul_ps(d8, _mm256_set1_ps(x.scale[r * x.nbp + b]));
+            acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(s), acc[r]);
+            macc[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(x.sum[r * x.nbp + b]), macc[r]);
         }
     }
-    for (int r = 0; r < ROWS; r++) out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r])) + hsum(macc[r]);
 }
 
 /* one block of a q8 weight row against `ROWS` activation rows, into acc */
@@ -448,7 +456,7 @@ INLINE void q8_dot(const int8_t *restrict wr, xrows x, const int ROWS, float *ou
 typedef struct {
     const quantized *qx;
     const void *w;       /* q4: codes; q8: int8 codes */
-    const uint16_t *d16; /* q4: fp16 scales and offsets (out, padded blocks) */
+    const uint16_t *d16; /* q4: fp16 scales and offsets (groups, blocks, 8) */
     const uint16_t *m16;
     const float *scales; /* q8: per output row */
     const float *bias;
@@ -473,13 +481,19 @@ static void q4_chunk(void *arg, int chunk) {
     const matmul_job *j = (const matmul_job *)arg;
     const xrows x = rows_of(j->qx, j->k);
     const int end = (chunk + 1) * ROWS_PER_CHUNK < j->n ? (chunk + 1) * ROWS_PER_CHUNK : j->n;
-    for (int o = chunk * ROWS_PER_CHUNK; o < end; o++) {
-        float out[MAX_ROWS];
-#define Q4(R) \
-    q4_dot((const uint8_t *)j->w + (size_t)o * (x.k / 2), j->d16 + (size_t)o * x.nbp, j->m16 + (size_t)o * x.nbp, x, R, out)
+    for (int o = chunk * ROWS_PER_CHUNK; o < end; o += Q4_COLS) {
+        const size_t g = (size_t)o / Q4_COLS;
+        __m256 acc[MAX_ROWS], macc[MAX_ROWS];
+#define Q4(R)                                                                                                   \
+    q4_group((const uint8_t *)j->w + g * x.nb * Q4_GROUP_BYTES, j->d16 + g * x.nb * Q4_COLS,                      \
+             j->m16 + g * x.nb * Q4_COLS, x, R, acc, macc)
         FOR_ROWS(j->rows, Q4)
-        const float bo = j->bias ? j->bias[o] : 0.0f;
-        for (int r = 0; r < j->rows; r++) j->y[(size_t)r * j->n + o] = out[r] + bo;
+        const int cols = end - o < Q4_COLS ? end - o : Q4_COLS;
+        for (int r = 0; r < j->rows; r++) {
+            float out[Q4_COLS];
+            _mm256_storeu_ps(out, _mm256_add_ps(acc[r], macc[r]));
+            for (int c = 0; c < cols; c++) j->y[(size_t)r * j->n + o + c] = out[c] + (j->bias ? j->bias[o + c] : 0.0f);
+        }
     }
 }
 
@@ -862,8 +876,8 @@ int ts_decode_attention(const float *q, const void *k_cache, const void *v_cache
  * ctypes structures of the same fields. */
 
 typedef struct {
-    const void *codes;         /* q4: (n, k / 2) uint8; q8: (n, k) int8 */
-    const uint16_t *d16, *m16; /* q4: fp16 scales / offsets (n, padded blocks) */
+    const void *codes;         /* q4: (groups of 8 columns, blocks, 128) uint8; q8: (n, k) int8 */
+    const uint16_t *d16, *m16; /* q4: fp16 scales / offsets (groups, blocks, 8) */
     const float *scales;       /* q8: one per output row */
     const float *bias;         /* (n,) or NULL */
     int bits, n, k;

@@ -70,7 +70,9 @@ def test_q8_matmul_is_the_dequantized_product(rows: int) -> None:
     q[1, :32] = -127
     x = torch.randn(rows, 320)
     expected = x @ (q.float() * scales[:, None]).T
-    got = kernels.q8_matmul(x, q, scales, None)
+    packed = native.pack_q8(q, scales)
+    assert torch.equal(packed.unpack(), q)  # the layout keeps every code
+    got = kernels.q8_matmul(x, packed, None)
     assert relative_error(got, expected) < QUANT_BOUND
 
 
@@ -84,22 +86,23 @@ def test_q8_matmul_finds_numpys_argmax_as_it_writes(rows: int) -> None:
     w = torch.randn(n, 64) * 0.05
     q, scales = quantize_int8(w)
     q[200], scales[200] = q[37], scales[37]  # two columns equal to each other for every row
+    w8 = native.pack_q8(q, scales)
     x = torch.randn(rows, 64)
     bias = torch.zeros(n)
-    y, ids = kernels.q8_matmul_argmax(x, q, scales, bias)
-    assert torch.equal(y, kernels.q8_matmul(x, q, scales, bias))
+    y, ids = kernels.q8_matmul_argmax(x, w8, bias)
+    assert torch.equal(y, kernels.q8_matmul(x, w8, bias))
     assert ids.tolist() == y.numpy().argmax(axis=1).tolist()
     # make both tied columns the maximum of row 0: the earlier one wins, as in numpy
     bias[37] = bias[200] = 1e4
-    y, ids = kernels.q8_matmul_argmax(x, q, scales, bias)
+    y, ids = kernels.q8_matmul_argmax(x, w8, bias)
     assert ids.tolist() == y.numpy().argmax(axis=1).tolist()
     assert ids[0] == 37
     bias[250] = float("nan")  # a NaN column: numpy's argmax picks it
     bias[300] = float("nan")
-    y, ids = kernels.q8_matmul_argmax(x, q, scales, bias)
+    y, ids = kernels.q8_matmul_argmax(x, w8, bias)
     assert ids.tolist() == y.numpy().argmax(axis=1).tolist() == [250] * rows
     bias.fill_(float("-inf"))  # nothing above -inf: the first column
-    y, ids = kernels.q8_matmul_argmax(x, q, scales, bias)
+    y, ids = kernels.q8_matmul_argmax(x, w8, bias)
     assert ids.tolist() == y.numpy().argmax(axis=1).tolist() == [0] * rows
 
 
@@ -136,15 +139,14 @@ def test_two_callers_at_once_get_their_own_results() -> None:
     assert kernels is not None
     torch.manual_seed(1)
     # sized so that the calls overlap: the pool before this test crashed the process here
-    weights = [quantize_int8(torch.randn(2048, 1024) * 0.05) for _ in range(2)]
+    weights = [native.pack_q8(*quantize_int8(torch.randn(2048, 1024) * 0.05)) for _ in range(2)]
     xs = [torch.randn(2, 1024) for _ in range(2)]
-    expected = [kernels.q8_matmul(x, q, s, None) for x, (q, s) in zip(xs, weights, strict=True)]
+    expected = [kernels.q8_matmul(x, w, None) for x, w in zip(xs, weights, strict=True)]
     mismatches: list[int] = []
 
     def hammer(i: int) -> None:
-        q, s = weights[i]
         for _ in range(400):
-            if not torch.equal(kernels.q8_matmul(xs[i], q, s, None), expected[i]):
+            if not torch.equal(kernels.q8_matmul(xs[i], weights[i], None), expected[i]):
                 mismatches.append(i)
 
     threads = [threading.Thread(target=hammer, args=(i,)) for i in range(2)]
@@ -240,7 +242,7 @@ blocks = native.pack_q4(codes, sz[..., 0], sz[..., 1] - 8 * sz[..., 0], 32)
 q8, s8 = quantize_int8(w)
 x = torch.randn(native.MAX_ROWS, 256) * 3
 torch.save({"vnni": k.vnni, "q4": k.q4_matmul(x, blocks, None),
-            "q8": k.q8_matmul(x, q8, s8.float(), None)}, sys.argv[1])
+            "q8": k.q8_matmul(x, native.pack_q8(q8, s8), None)}, sys.argv[1])
 """
 
 
@@ -279,7 +281,7 @@ def test_chunks_a_stalled_helper_holds_are_taken_over_with_the_same_results() ->
     if torch.get_num_threads() < 2:
         pytest.skip("one intra-op thread: no helpers")
     torch.manual_seed(2)
-    q8, s8 = quantize_int8(torch.randn(2048, 512) * 0.05)
+    q8 = native.pack_q8(*quantize_int8(torch.randn(2048, 512) * 0.05))
     lin = Linear(512, 1024, bias=True)
     lin.weight.data = torch.randn(1024, 512) * 0.05
     assert lin.bias is not None
@@ -292,8 +294,8 @@ def test_chunks_a_stalled_helper_holds_are_taken_over_with_the_same_results() ->
 
     def results() -> list[torch.Tensor]:
         return [
-            kernels.q8_matmul(x, q8, s8, None),
-            *kernels.q8_matmul_argmax(x, q8, s8, torch.zeros(2048)),
+            kernels.q8_matmul(x, q8, None),
+            *kernels.q8_matmul_argmax(x, q8, torch.zeros(2048)),
             q4(x),
             kernels.decode_attention(q, k_cache, v_cache, ids, offsets, 0.125),
         ]
@@ -335,11 +337,11 @@ from turbospark.engine import native
 from turbospark.engine.quant import quantize_int8
 k = native.kernels()
 torch.set_num_threads(2)
-q, s = quantize_int8(torch.randn(2048, 512))
+w = native.pack_q8(*quantize_int8(torch.randn(2048, 512)))
 x = torch.randn(2, 512)
-want = k.q8_matmul(x, q, s, None)
+want = k.q8_matmul(x, w, None)
 k.lib.ts_pool_test_stall(1_000_000)
-assert all(torch.equal(k.q8_matmul(x, q, s, None), want) for _ in range(3))
+assert all(torch.equal(k.q8_matmul(x, w, None), want) for _ in range(3))
 print(k.lib.ts_pool_steals())
 """
     import subprocess

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import gc
 
 import torch
@@ -29,6 +30,10 @@ def weight_stats(model: torch.nn.Module, *, replicated: bool = True) -> tuple[in
             kinds.add("int4" if isinstance(m, Int4Linear) else "int8")
             count += m.in_features * m.out_features
             size += sum(b.numel() * b.element_size() for b in m.buffers())
+            for packed in (getattr(m, "q4", None), getattr(m, "q8", None)):  # the native layouts
+                if packed is not None:
+                    tensors = [getattr(packed, f.name) for f in dataclasses.fields(packed)]
+                    size += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
     return count, size, kinds
 
 

@@ -55,7 +55,7 @@ VNNI_FLAGS = ("-mavx512vnni", "-mavx512vl")
 VNNI_CPU_FLAGS = frozenset({"avx512_vnni", "avx512vl"})
 VNNI_ENV_VAR = kernel_settings.ENV_VARS["native_vnni"]
 BLOCK = 32  # inputs per quantization block (activations and q4 weights)
-Q4_COLS = 8  # output columns of a q4 weight stored together (the C side's Q4_COLS)
+Q4_COLS = 8  # output columns of a q4 / q8 weight stored together (the C side's Q4_COLS, Q8_COLS)
 MAX_ROWS = 8  # rows per call (the C side's MAX_ROWS)
 COMPILE_TIMEOUT_S = 120
 KV_DTYPES = (torch.float32, torch.float16)  # KV caches the decode attention reads
@@ -77,21 +77,20 @@ class Kernels:
         weight = (w.codes.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr())
         return self._matmul(self.lib.ts_q4_matmul, x, weight, w.out_features, bias)
 
-    def q8_matmul(
-        self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        """(x (rows, in) float32 @ codes.T (out, in) int8) * scales (out,) float32 (+ bias)."""
-        weight = (codes.data_ptr(), scales.data_ptr())
-        return self._matmul(self.lib.ts_q8_matmul, x, weight, codes.shape[0], bias)
+    def q8_matmul(self, x: torch.Tensor, w: Q8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        """(x (rows, in) float32 @ the q8 codes.T) * their column scales (+ bias float32)."""
+        return self._matmul(
+            self.lib.ts_q8_matmul, x, (w.codes.data_ptr(), w.scales.data_ptr()), w.out_features, bias
+        )
 
     def q8_matmul_argmax(
-        self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+        self, x: torch.Tensor, w: Q8Weight, bias: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`q8_matmul`'s y, and each row's argmax over it (rows,) int64, found as the chunks are
         written (numpy's argmax: the first maximum, a NaN first of all)."""
         ids = torch.empty(x.shape[0], dtype=torch.int64)
-        weight = (codes.data_ptr(), scales.data_ptr())
-        y = self._matmul(self.lib.ts_q8_matmul_argmax, x, weight, codes.shape[0], bias, ids.data_ptr())
+        weight = (w.codes.data_ptr(), w.scales.data_ptr())
+        y = self._matmul(self.lib.ts_q8_matmul_argmax, x, weight, w.out_features, bias, ids.data_ptr())
         return y, ids
 
     @staticmethod
@@ -232,6 +231,36 @@ def pack_q4(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, gr
     nibbles = c[:, :, :, 0] | (c[:, :, :, 1] << 4)  # (group, column, block, j, i)
     laid = nibbles.permute(0, 2, 3, 1, 4).reshape(groups, blocks, 4 * Q4_COLS * 4).contiguous()
     return Q4Weight(laid, per_block(scales), per_block(offsets), out_features)
+
+
+@dataclass(frozen=True, slots=True)
+class Q8Weight:
+    """The q8 kernel's layout of w = code * scale (see `pack_q8`)."""
+
+    codes: torch.Tensor  # (groups of Q4_COLS columns, blocks, 256) uint8: code + 128
+    scales: torch.Tensor  # (groups * Q4_COLS,) float32, one per column, zero past out_features
+    out_features: int
+
+    def unpack(self) -> torch.Tensor:
+        """The codes as (out, in) int8 (a new tensor)."""
+        groups, blocks, _ = self.codes.shape
+        signed = (self.codes ^ 0x80).view(torch.int8).view(groups, blocks, 8, Q4_COLS, 4)
+        return signed.permute(0, 3, 1, 2, 4).reshape(groups * Q4_COLS, blocks * BLOCK)[: self.out_features]
+
+
+def pack_q8(codes: torch.Tensor, scales: torch.Tensor) -> Q8Weight:
+    """codes (out, in) int8 in [-127, 127], scales (out,) float, w = code * scale. Stored by
+    groups of `Q4_COLS` output columns as the q4 codes are (out padded with zero columns): per
+    group and block of 32 inputs 256 bytes, [j][column][i] with byte = code of input 4j + i
+    plus 128 (unsigned, for VNNI's unsigned x signed product)."""
+    out_features, in_features = codes.shape
+    groups = -(-out_features // Q4_COLS)
+    pad = groups * Q4_COLS - out_features
+    c = torch.nn.functional.pad(codes.to(torch.int8), (0, 0, 0, pad)).view(torch.uint8) ^ 0x80
+    c = c.view(groups, Q4_COLS, in_features // BLOCK, 8, 4)  # (group, column, block, j, i)
+    laid = c.permute(0, 2, 3, 1, 4).reshape(groups, in_features // BLOCK, 8 * Q4_COLS * 4).contiguous()
+    padded_scales = torch.nn.functional.pad(scales.float(), (0, pad)).contiguous()
+    return Q8Weight(laid, padded_scales, out_features)
 
 
 def _compiler() -> str | None:

@@ -100,13 +100,12 @@ def _linear(module: nn.Module) -> tuple[_Linear, int] | None:
             module.in_features,
         )
         return desc, module.native_rows
-    if isinstance(module, Int8Linear) and module.native_rows and module.weight.is_contiguous():
-        scales = module.out_scales
+    if isinstance(module, Int8Linear) and module.native_rows and module.q8 is not None:
         desc = _Linear(
-            module.weight.data_ptr(),
+            module.q8.codes.data_ptr(),
             None,
             None,
-            scales.data_ptr(),
+            module.q8.scales.data_ptr(),
             bias_ptr,
             8,
             module.out_features,

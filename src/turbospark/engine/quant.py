@@ -178,10 +178,13 @@ class Int8Linear(nn.Module):
         # the dtype a many-row matmul expands the weight to (see MIN_ROWS_TO_DEQUANTIZE)
         self.dense_dtype = dense_dtype or cpu_kernels().dense_dtype
         q, scales = quantize_int8(linear.weight.data)
-        self.weight: torch.Tensor
+        self.weight: torch.Tensor | None
         self.scales: torch.Tensor
         self.bias: torch.Tensor | None
-        self.register_buffer("weight", q)  # (out, in) int8
+        # where the native kernels run, their layout replaces the (out, in) codes (`rows_weight`
+        # rebuilds those for the rare path that expands them)
+        self.q8 = native.pack_q8(q, scales) if self.native_rows else None
+        self.register_buffer("weight", None if self.q8 is not None else q)  # (out, in) int8
         self.register_buffer("scales", scales.to(self.kernel_dtype))  # (out,)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.data.to(dtype))
         # the packed copy holds the int8 codes themselves (exact in fp16); the row scales and the
@@ -190,13 +193,21 @@ class Int8Linear(nn.Module):
         self.out_scales = scales  # (out,) float32
         self.float_bias = None if self.bias is None else self.bias.float()
 
+    def rows_weight(self) -> torch.Tensor:
+        """The codes (out, in) int8: the buffer, or rebuilt from the native layout."""
+        if self.weight is not None:
+            return self.weight
+        assert self.q8 is not None
+        return self.q8.unpack()
+
     def forward_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward`, and each row's argmax over the output (rows,) int64 where the native kernel
         finds it as it writes the rows (float32 activations, rows it takes); else None."""
         if x.shape[0] <= self.native_rows and x.dtype == torch.float32:
             kernels = native.kernels()
             assert kernels is not None
-            return kernels.q8_matmul_argmax(x, self.weight, self.out_scales, self.float_bias)
+            assert self.q8 is not None
+            return kernels.q8_matmul_argmax(x, self.q8, self.float_bias)
         return self.forward(x), None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -208,20 +219,21 @@ class Int8Linear(nn.Module):
         if rows <= self.native_rows:
             kernels = native.kernels()
             assert kernels is not None
-            return kernels.q8_matmul(x.float(), self.weight, self.out_scales, self.float_bias).to(x.dtype)
+            assert self.q8 is not None
+            return kernels.q8_matmul(x.float(), self.q8, self.float_bias).to(x.dtype)
         if self.packed is not None and rows >= MIN_ROWS_PACKED:
             out = self.packed.matmul(x.float()) * self.out_scales
             out = out if self.bias is None else out + self.bias
             return out.to(x.dtype)
         if rows >= MIN_ROWS_TO_DEQUANTIZE:
             dt = self.dense_dtype
-            w = self.weight * self.scales.to(dt)[:, None]  # (out, in) in dt: one pass, int8 promotes
+            w = self.rows_weight() * self.scales.to(dt)[:, None]  # (out, in) in dt: one pass, int8 promotes
             return _dense(x, w, self.bias)
         return self._int8pack(x)
 
     def _int8pack(self, x: torch.Tensor) -> torch.Tensor:
         xk = x.to(self.kernel_dtype)
-        y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(xk, self.weight, self.scales).to(x.dtype)
+        y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(xk, self.rows_weight(), self.scales).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def _by_role(self, x: torch.Tensor, role: row_kernels.Role) -> torch.Tensor:
@@ -231,11 +243,11 @@ class Int8Linear(nn.Module):
             if not self.native_rows:
                 return self._int8pack(x)
             kernels = native.kernels()
-            assert kernels is not None
-            scales, bias = self.out_scales, self.float_bias
+            assert kernels is not None and self.q8 is not None
+            q8, bias = self.q8, self.float_bias
 
             def run(rows: torch.Tensor) -> torch.Tensor:
-                return kernels.q8_matmul(rows, self.weight, scales, bias)
+                return kernels.q8_matmul(rows, q8, bias)
 
             return row_kernels.in_groups(x.float(), self.native_rows, run).to(x.dtype)
         multiple = None if self.packed is None else row_kernels.packed_multiple(self.packed.tail is not None)
@@ -245,7 +257,7 @@ class Int8Linear(nn.Module):
             out = out * self.out_scales
             out = out if self.bias is None else out + self.bias
             return out.to(x.dtype)
-        w = self.weight * self.scales.to(self.dense_dtype)[:, None]
+        w = self.rows_weight() * self.scales.to(self.dense_dtype)[:, None]
         bias = None if self.bias is None else self.bias.to(w.dtype)
         return row_kernels.dense_linear(x.to(w.dtype), w, bias).to(x.dtype)
 

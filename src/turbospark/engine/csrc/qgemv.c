@@ -15,7 +15,9 @@
  *   fp16. So one 32-byte load holds four inputs of each of the eight columns, a column to each
  *   32-bit lane, for a byte dot product against four inputs of an activation row broadcast
  *   (the layout llama.cpp's repacked x86 kernels use). `in` a multiple of 64.
- * - q8: int8 codes (out, in) in [-127, 127] and one float scale per output row.
+ * - q8: w = scale * code, codes in [-127, 127], one float scale per output column; stored in
+ *   the same groups of 8 columns: per group and block of 32 inputs 256 bytes, [j (8)][column
+ *   (8)][i (4)], byte = code of input 4j + i plus 128 (unsigned); scales (out padded to 8).
  * Activations and outputs are float32, row-major; `in` is a multiple of 32.
  *
  * Threads: not OpenMP. An OpenMP parallel region ends in a barrier that waits for every thread
@@ -54,14 +56,19 @@
 #define SCALE_GROUP 8 /* activation scale rows are padded to a multiple of this many blocks */
 #define Q4_COLS 8       /* output columns of a q4 weight stored together (one group) */
 #define Q4_GROUP_BYTES (Q4_COLS * QK / 2) /* one block of one group: 128 bytes of codes */
+#define Q8_COLS 8 /* the same for q8 weights */
+#define Q8_GROUP_BYTES (Q8_COLS * QK) /* 256 bytes */
 
 static inline int padded_blocks(int k) { return (k / QK + SCALE_GROUP - 1) / SCALE_GROUP * SCALE_GROUP; }
 
 /* x (rows, k) -> codes (rows, k) int8, per-block scales and per-block sums of x */
-static void quantize_rows(const float *x, int rows, int k, int8_t *q, float *scale, float *sum) {
+static void quantize_rows(const float *x, int rows, int k, int8_t *q, float *scale, float *sum, int32_t *isum) {
     const int nb = k / QK, nbp = padded_blocks(k);
     for (int r = 0; r < rows; r++) {
-        for (int b = nb; b < nbp; b++) scale[r * nbp + b] = sum[r * nbp + b] = 0.0f;
+        for (int b = nb; b < nbp; b++) {
+            scale[r * nbp + b] = sum[r * nbp + b] = 0.0f;
+            isum[r * nbp + b] = 0;
+        }
         for (int b = 0; b < nb; b++) {
             const float *xb = x + (size_t)r * k + b * QK;
             int8_t *qb = q + (size_t)r * k + b * QK;
@@ -81,6 +88,7 @@ static void quantize_rows(const float *x, int rows, int k, int8_t *q, float *sca
             /* the sum of the quantized block, not of x: the offset term then sees the same
              * rounding as the codes, and the errors of the two terms cancel */
             sum[r * nbp + b] = d * (float)s;
+            isum[r * nbp + b] = s;
         }
     }
 }
@@ -98,6 +106,7 @@ typedef struct {
     int8_t *q;
     float *scale;
     float *sum;
+    int32_t *isum; /* the integer sum of each block's codes */
 } quantized;
 
 /* room for `rows` activation rows of width up to k; -1 when out of memory (release() frees
@@ -107,12 +116,13 @@ static int quantized_alloc(int rows, int k, quantized *out) {
     out->q = (int8_t *)aligned_alloc(64, ((size_t)rows * k + 63) / 64 * 64);
     out->scale = (float *)malloc(sizeof(float) * rows * nbp);
     out->sum = (float *)malloc(sizeof(float) * rows * nbp);
-    return out->q && out->scale && out->sum ? 0 : -1;
+    out->isum = (int32_t *)malloc(sizeof(int32_t) * rows * nbp);
+    return out->q && out->scale && out->sum && out->isum ? 0 : -1;
 }
 
 static int quantize(const float *x, int rows, int k, quantized *out) {
     if (quantized_alloc(rows, k, out)) return -1;
-    quantize_rows(x, rows, k, out->q, out->scale, out->sum);
+    quantize_rows(x, rows, k, out->q, out->scale, out->sum, out->isum);
     return 0;
 }
 
@@ -120,6 +130,7 @@ static void release(quantized *qx) {
     free(qx->q);
     free(qx->scale);
     free(qx->sum);
+    free(qx->isum);
 }
 
 
@@ -362,6 +373,7 @@ typedef struct {
     const int8_t *restrict q;
     const float *restrict scale;
     const float *restrict sum;
+    const int32_t *restrict isum;
     int k, nb, nbp; /* width, blocks, blocks padded (the stride of scale and sum) */
 } xrows;
 
@@ -413,30 +425,50 @@ INLINE void q4_group(const uint8_t *restrict codes, const uint16_t *restrict d16
     }
 }
 
-/* one block of a q8 weight row against `ROWS` activation rows, into acc */
-INLINE void q8_block(const int8_t *restrict wblk, int b, xrows x, const int ROWS, __m256i ones, __m256 *acc) {
-    const __m256i wq = _mm256_loadu_si256((const __m256i *)wblk);
-    const __m256i wabs = _mm256_sign_epi8(wq, wq);
-    for (int r = 0; r < ROWS; r++) {
-        const __m256i xq = _mm256_load_si256((const __m256i *)(x.q + (size_t)r * x.k + b * QK));
-        /* |w| * (x with w's sign): unsigned x signed bytes, as vpmaddubsw wants */
-        const __m256i p = DOT_U8S8(wabs, _mm256_sign_epi8(xq, wq));
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x.scale[r * x.nbp + b]), _mm256_cvtepi32_ps(p), acc[r]);
+/* Eight output columns of a q8 weight (one group, see the layout at the top) against `ROWS`
+ * activation rows, unscaled (the caller applies the column scales): as `q4_group`, a column to
+ * each lane. The codes are stored as w + 128 (unsigned) for VNNI's unsigned x signed product,
+ * whose sums then carry 128 times the row's block sum, taken off in int32. Without VNNI the
+ * codes go back to signed once per block and each row takes |w| x (x with w's sign) in pairs.
+ * Both give every block's exact integer sum, so both builds write the same floats. */
+INLINE void q8_group(const uint8_t *restrict codes, xrows x, const int ROWS, __m256 *acc) {
+#ifndef __AVX512VNNI__
+    const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8((char)0x80);
+#endif
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < x.nb; b++) {
+        const uint8_t *cb = codes + (size_t)b * Q8_GROUP_BYTES;
+        __m256i w[8];
+#ifdef __AVX512VNNI__
+        for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256((const __m256i *)(cb + 32 * j));
+#else
+        __m256i wabs[8];
+        for (int j = 0; j < 8; j++) {
+            w[j] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(cb + 32 * j)), bias);
+            wabs[j] = _mm256_sign_epi8(w[j], w[j]);
+        }
+#endif
+        for (int r = 0; r < ROWS; r++) {
+            const int32_t *xr = (const int32_t *)(x.q + (size_t)r * x.k + (size_t)b * QK);
+            const int at = r * x.nbp + b;
+#ifdef __AVX512VNNI__
+            __m256i s0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[0], _mm256_set1_epi32(xr[0]));
+            __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[4], _mm256_set1_epi32(xr[4]));
+            for (int j = 1; j < 4; j++) {
+                s0 = _mm256_dpbusd_epi32(s0, w[j], _mm256_set1_epi32(xr[j]));
+                s1 = _mm256_dpbusd_epi32(s1, w[j + 4], _mm256_set1_epi32(xr[j + 4]));
+            }
+            const __m256i s = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), _mm256_set1_epi32(128 * x.isum[at]));
+#else
+            __m256i s = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xr[j]), w[j]);
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[j], xs), ones));
+            }
+#endif
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x.scale[at]), _mm256_cvtepi32_ps(s), acc[r]);
+        }
     }
-}
-
-/* the same for a q8 weight row (scaled by the caller) */
-INLINE void q8_dot(const int8_t *restrict wr, xrows x, const int ROWS, float *out) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc0[MAX_ROWS], acc1[MAX_ROWS];
-    for (int r = 0; r < ROWS; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
-    int b = 0;
-    for (; b + 1 < x.nb; b += 2) {
-        q8_block(wr + b * QK, b, x, ROWS, ones, acc0);
-        q8_block(wr + (b + 1) * QK, b + 1, x, ROWS, ones, acc1);
-    }
-    if (b < x.nb) q8_block(wr + b * QK, b, x, ROWS, ones, acc0);
-    for (int r = 0; r < ROWS; r++) out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
 /* a switch over the row count, so each case is compiled with ROWS constant: loops over rows
@@ -473,7 +505,7 @@ static inline int beats(float v, float best) { return isnan(v) ? !isnan(best) : 
 #define ROWS_PER_CHUNK 32
 
 static xrows rows_of(const quantized *qx, int k) {
-    const xrows x = {qx->q, qx->scale, qx->sum, k, k / QK, padded_blocks(k)};
+    const xrows x = {qx->q, qx->scale, qx->sum, qx->isum, k, k / QK, padded_blocks(k)};
     return x;
 }
 
@@ -505,17 +537,22 @@ static void q8_chunk(void *arg, int chunk) {
     const int track = j->best != NULL; /* only the lm_head's greedy steps ask: the layers do not */
     float best[MAX_ROWS];
     int64_t best_at[MAX_ROWS];
-    for (int o = start; o < end; o++) {
-        float out[MAX_ROWS];
-#define Q8(R) q8_dot((const int8_t *)j->w + (size_t)o * j->k, x, R, out)
+    for (int o = start; o < end; o += Q8_COLS) {
+        const size_t g = (size_t)o / Q8_COLS;
+        __m256 acc[MAX_ROWS];
+#define Q8(R) q8_group((const uint8_t *)j->w + g * x.nb * Q8_GROUP_BYTES, x, R, acc)
         FOR_ROWS(j->rows, Q8)
-        const float bo = j->bias ? j->bias[o] : 0.0f;
+        const int cols = end - o < Q8_COLS ? end - o : Q8_COLS;
         for (int r = 0; r < j->rows; r++) {
-            const float v = out[r] * j->scales[o] + bo;
-            j->y[(size_t)r * j->n + o] = v;
-            if (track && (o == start || beats(v, best[r]))) {
-                best[r] = v;
-                best_at[r] = o;
+            float out[Q8_COLS];
+            _mm256_storeu_ps(out, acc[r]);
+            for (int c = 0; c < cols; c++) {
+                const float v = out[c] * j->scales[o + c] + (j->bias ? j->bias[o + c] : 0.0f);
+                j->y[(size_t)r * j->n + o + c] = v;
+                if (track && ((o == start && c == 0) || beats(v, best[r]))) {
+                    best[r] = v;
+                    best_at[r] = o + c;
+                }
             }
         }
     }
@@ -876,9 +913,9 @@ int ts_decode_attention(const float *q, const void *k_cache, const void *v_cache
  * ctypes structures of the same fields. */
 
 typedef struct {
-    const void *codes;         /* q4: (groups of 8 columns, blocks, 128) uint8; q8: (n, k) int8 */
+    const void *codes;         /* q4: (groups of 8 columns, blocks, 128) uint8; q8: (groups, blocks, 256) */
     const uint16_t *d16, *m16; /* q4: fp16 scales / offsets (groups, blocks, 8) */
-    const float *scales;       /* q8: one per output row */
+    const float *scales;       /* q8: one per output column (padded to 8) */
     const float *bias;         /* (n,) or NULL */
     int bits, n, k;
 } ts_linear;
@@ -905,7 +942,7 @@ static int linear_ok(const ts_linear *w, int k, int n) {
 
 /* y (rows, n) = x (rows, k) through w, x quantized into qx (room for rows x k) */
 static void linear(const ts_linear *w, const float *x, int rows, quantized *qx, float *y, int threads) {
-    quantize_rows(x, rows, w->k, qx->q, qx->scale, qx->sum);
+    quantize_rows(x, rows, w->k, qx->q, qx->scale, qx->sum, qx->isum);
     matmul_job job = {qx, w->codes, w->d16, w->m16, w->scales, w->bias, y, rows, w->k, w->n};
     parallel_chunks(w->bits == 4 ? q4_chunk : q8_chunk, &job, (w->n + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK, threads);
 }

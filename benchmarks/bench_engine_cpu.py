@@ -76,11 +76,16 @@ def bytes_per_token(model: torch.nn.Module, context: int, kv_dtype: torch.dtype)
         q4 = getattr(mod, "q4", None)  # the native kernels' int4 layout: what decode reads then
         if q4 is not None:
             total += sum(t.numel() * t.element_size() for t in (q4.codes, q4.scales, q4.offsets))
+        q8 = getattr(mod, "q8", None)  # their int8 layout (it replaces the (out, in) codes)
+        if q8 is not None:
+            total += sum(t.numel() * t.element_size() for t in (q8.codes, q8.scales))
         for t in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)):
             if getattr(mod, "nibbles", None) is t:
                 continue  # int4's prefill copy of the codes: decode never reads it
             if q4 is not None and getattr(mod, "scales_and_zeros", None) is t:
                 continue  # torch's layout of the scales: the native kernel reads its own
+            if q8 is not None and getattr(mod, "scales", None) is t:
+                continue  # the many-row path's scales: the native kernel reads its own
             total += t.numel() * t.element_size()
     cfg = model.config  # type: ignore[attr-defined]
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * context

@@ -356,3 +356,14 @@ print(k.lib.ts_pool_steals())
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "0"  # the caller waited for the sleeping helper instead
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q8_expansion_is_codes_times_scales(dtype: torch.dtype) -> None:
+    """The many-row path's weight, widened from the native layout in one pass, equals torch's
+    widening of the same codes (bfloat16 rounded to nearest even, as torch rounds)."""
+    assert kernels is not None
+    torch.manual_seed(3)
+    q, scales = quantize_int8(torch.randn(37, 96) * 0.05)  # a partial last group of columns
+    got = kernels.q8_expand(native.pack_q8(q, scales), dtype)
+    assert torch.equal(got, (q.float() * scales[:, None]).to(dtype))

@@ -93,6 +93,24 @@ class Kernels:
         y = self._matmul(self.lib.ts_q8_matmul_argmax, x, weight, w.out_features, bias, ids.data_ptr())
         return y, ids
 
+    def q8_expand(self, w: Q8Weight, dtype: torch.dtype, scales: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight (out, in) as codes times column scales (`scales` (out,) float32, else the
+        weight's own), in float32 or bfloat16 (rounded to nearest even, as torch converts): for
+        the matmuls of many rows."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            return self.q8_expand(w, torch.float32, scales).to(dtype)
+        scales = (w.scales if scales is None else scales).float().contiguous()
+        groups, blocks, _ = w.codes.shape
+        out = torch.empty(w.out_features, blocks * BLOCK, dtype=dtype)
+        bf16 = int(dtype == torch.bfloat16)
+        rc = self.lib.ts_q8_expand(
+            w.codes.data_ptr(), scales.data_ptr(), w.out_features, blocks * BLOCK, out.data_ptr(), bf16,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"native q8 expansion refused a weight of width {blocks * BLOCK}")
+        return out
+
     @staticmethod
     def _matmul(
         fn: Any, x: torch.Tensor, weight: tuple[int, ...], n: int, bias: torch.Tensor | None, *extra: int
@@ -317,6 +335,8 @@ def _load(path: Path, vnni: bool = False) -> Kernels:
     lib.ts_q8_matmul.restype = _I
     lib.ts_q8_matmul_argmax.argtypes = [_P, _I, _I, _P, _P, _I, _P, _P, _P, _I]
     lib.ts_q8_matmul_argmax.restype = _I
+    lib.ts_q8_expand.argtypes = [_P, _P, _I, _I, _P, _I, _I]
+    lib.ts_q8_expand.restype = _I
     F = ctypes.c_float
     lib.ts_rms_norm.argtypes = [_P, _P, _P, _P, F, _I, _I, _P]
     lib.ts_rms_norm.restype = None

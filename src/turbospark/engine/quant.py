@@ -200,6 +200,16 @@ class Int8Linear(nn.Module):
         assert self.q8 is not None
         return self.q8.unpack()
 
+    def expanded(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight (out, in) times its scales, in `dtype`, for a matmul of many rows: one pass
+        over the codes (the native layout's own kernel where the weight is kept in it)."""
+        if self.q8 is not None:
+            kernels = native.kernels()
+            assert kernels is not None
+            # the scales as the torch path widens them (the kernel dtype's), so both agree
+            return kernels.q8_expand(self.q8, dtype, self.scales.to(dtype).float())
+        return self.rows_weight() * self.scales.to(dtype)[:, None]  # int8 promotes
+
     def forward_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward`, and each row's argmax over the output (rows,) int64 where the native kernel
         finds it as it writes the rows (float32 activations, rows it takes); else None."""
@@ -227,7 +237,7 @@ class Int8Linear(nn.Module):
             return out.to(x.dtype)
         if rows >= MIN_ROWS_TO_DEQUANTIZE:
             dt = self.dense_dtype
-            w = self.rows_weight() * self.scales.to(dt)[:, None]  # (out, in) in dt: one pass, int8 promotes
+            w = self.expanded(dt)  # (out, in) in dt: one pass
             return _dense(x, w, self.bias)
         return self._int8pack(x)
 
@@ -257,7 +267,7 @@ class Int8Linear(nn.Module):
             out = out * self.out_scales
             out = out if self.bias is None else out + self.bias
             return out.to(x.dtype)
-        w = self.rows_weight() * self.scales.to(self.dense_dtype)[:, None]
+        w = self.expanded(self.dense_dtype)
         bias = None if self.bias is None else self.bias.to(w.dtype)
         return row_kernels.dense_linear(x.to(w.dtype), w, bias).to(x.dtype)
 

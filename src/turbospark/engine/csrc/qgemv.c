@@ -622,6 +622,86 @@ int ts_q8_matmul_argmax(const float *x, int rows, int k, const int8_t *w, const 
     return quantized_matmul(q8_chunk, x, rows, k, w, NULL, NULL, scales, n, bias, y, argmax, threads);
 }
 
+/* ---- a q8 weight widened back to (n, k) rows, for the many-row matmuls that expand it ---- */
+
+typedef struct {
+    const uint8_t *codes;
+    const float *scales;
+    void *out;
+    int n, k, bf16;
+} expand_job;
+
+#define EXPAND_GROUPS_PER_CHUNK 4
+
+/* round to nearest even, as torch converts float32 to bfloat16 (finite values) */
+static inline __m128i to_bf16(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m256i packed = _mm256_packus_epi32(rounded, rounded); /* 16-bit halves, lanes 0-3 and 4-7 */
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+/* an 8 x 8 matrix of 32-bit elements, one row per register, transposed in place */
+static inline void transpose8(__m256i *r) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+    }
+}
+
+static void expand_chunk(void *arg, int chunk) {
+    const expand_job *j = (const expand_job *)arg;
+    const int nb = j->k / QK;
+    const __m256i bias = _mm256_set1_epi8((char)0x80);
+    const int groups = (j->n + Q8_COLS - 1) / Q8_COLS;
+    const int g_end = (chunk + 1) * EXPAND_GROUPS_PER_CHUNK < groups ? (chunk + 1) * EXPAND_GROUPS_PER_CHUNK : groups;
+    for (int g = chunk * EXPAND_GROUPS_PER_CHUNK; g < g_end; g++) {
+        const int cols = j->n - g * Q8_COLS < Q8_COLS ? j->n - g * Q8_COLS : Q8_COLS;
+        for (int b = 0; b < nb; b++) {
+            /* row jj: 4 codes of each column; transposed, row c: column c's 32 codes in order */
+            const uint8_t *cb = j->codes + ((size_t)g * nb + b) * Q8_GROUP_BYTES;
+            __m256i r[8];
+            for (int jj = 0; jj < 8; jj++) r[jj] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(cb + 32 * jj)), bias);
+            transpose8(r);
+            for (int c = 0; c < cols; c++) {
+                const size_t o = (size_t)g * Q8_COLS + c;
+                const __m256 scale = _mm256_set1_ps(j->scales[o]);
+                for (int q = 0; q < 4; q++) {
+                    const __m128i eight = _mm_cvtsi64_si128(_mm256_extract_epi64(r[c], q));
+                    const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight)), scale);
+                    const size_t at = o * j->k + (size_t)b * QK + 8 * q;
+                    if (j->bf16)
+                        _mm_storeu_si128((__m128i *)((uint16_t *)j->out + at), to_bf16(v));
+                    else
+                        _mm256_storeu_ps((float *)j->out + at, v);
+                }
+            }
+        }
+    }
+}
+
+/* out (n, k) = the q8 weight's codes times their column scales, float32 or (bf16 = 1) bfloat16:
+ * what a many-row matmul multiplies by, from the one layout the weight is kept in */
+int ts_q8_expand(const uint8_t *codes, const float *scales, int n, int k, void *out, int bf16, int threads) {
+    if (n < 1 || k % QK) return -1;
+    expand_job job = {codes, scales, out, n, k, bf16};
+    const int groups = (n + Q8_COLS - 1) / Q8_COLS;
+    parallel_chunks(expand_chunk, &job, (groups + EXPAND_GROUPS_PER_CHUNK - 1) / EXPAND_GROUPS_PER_CHUNK, threads);
+    return 0;
+}
+
 /* ---- the rest of a decode step, for few rows: each replaces several torch ops ---- */
 
 /* e^x for 8 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 polynomial (Cephes'

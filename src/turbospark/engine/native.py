@@ -100,7 +100,7 @@ class Kernels:
         if dtype not in (torch.float32, torch.bfloat16):
             return self.q8_expand(w, torch.float32, scales).to(dtype)
         scales = (w.scales if scales is None else scales).float().contiguous()
-        groups, blocks, _ = w.codes.shape
+        blocks = w.codes.shape[1]
         out = torch.empty(w.out_features, blocks * BLOCK, dtype=dtype)
         bf16 = int(dtype == torch.bfloat16)
         rc = self.lib.ts_q8_expand(

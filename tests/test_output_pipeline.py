@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from turbospark.backend import CompletionResult, FinishReason, TokenEvent
 from turbospark.events import Event, Finish, ReasoningDelta, TextDelta, ToolCallArgs, ToolCallStart
 from turbospark.output import OutputPipeline
@@ -48,6 +50,20 @@ def test_stop_string_ends_the_text_and_sets_the_cancel_signal() -> None:
     assert stopped and joined(events, TextDelta) == "one two "
     finish = events[-1]
     assert isinstance(finish, Finish) and (finish.reason, finish.stop_sequence) == ("stop", "STOP")
+
+
+def test_a_reply_that_echoes_the_servers_reminder_ends_there_as_a_plain_end() -> None:
+    """`focused_messages` repeats the request after a tool result; a reply that starts to repeat
+    that line ends before it, and the client hears of no stop sequence it did not send."""
+    p = dataclasses.replace(plan(), echo_stops=("(The user asked:",))
+    events, stopped = run(p, "No matches found\n\n(The user asked: what does greet return?)")
+    assert stopped and joined(events, TextDelta) == "No matches found\n\n"
+    finish = events[-1]
+    assert isinstance(finish, Finish) and (finish.reason, finish.stop_sequence) == ("stop", None)
+    # the client's own stop string is still reported as such
+    both = dataclasses.replace(plan(stop=["found"]), echo_stops=("(The user asked:",))
+    events, stopped = run(both, "No matches found")
+    assert stopped and events[-1].stop_sequence == "found"  # type: ignore[attr-defined]
 
 
 def test_reasoning_is_split_from_the_answer() -> None:

@@ -188,6 +188,7 @@ def test_a_focused_conversation_is_rendered_for_a_small_model() -> None:
     assert "[server]\nport = 48213\n" in text and "1\t[server]" not in text
     assert text.index("port = 48213") < text.index("(The user asked: What port does config.ini set?)")
     assert focused.config.temperature == FOCUS_TEMPERATURE
+    assert focused.echo_stops == ("(The user asked:",)  # a reply that repeats the line ends there
     assert messages[1].content.startswith("<system-reminder>")  # the request itself is untouched
     # a request's own temperature stands; so does everything when the tools are not focused (few)
     sent = plan(
@@ -200,6 +201,7 @@ def test_a_focused_conversation_is_rendered_for_a_small_model() -> None:
     whole = plan(registry(focus_tools=AGENT_CORE_TOOLS), tools=AGENT_TOOLS[:5], messages=messages)
     assert "Available agent types" in whole.prompt_text and "1\t[server]" in whole.prompt_text
     assert "system-reminder" in whole.prompt_text and "(The user asked" not in whole.prompt_text
+    assert whole.echo_stops == ()
     assert whole.config.temperature != FOCUS_TEMPERATURE
     # a result that is not cat -n shaped keeps its digits; a later turn is not reminded again
     later = [*messages, Message("assistant", "48213"), Message("user", "Thanks")]

@@ -35,7 +35,9 @@ class OutputPipeline:
         tokenizer = plan.backend.tokenizer
         self.tokenizer = tokenizer
         self.decoder = IncrementalDecoder(tokenizer)
-        self.stops = StopMatcher(plan.request.stop)
+        self.stops = StopMatcher([*plan.request.stop, *plan.echo_stops])
+        self.echo_stops = set(plan.echo_stops) - set(plan.request.stop)
+        self.echoed = False  # the reply began to repeat the server's own prompt text: ended there
         self.splitter = ReasoningSplitter(plan.start_in_reasoning) if plan.has_reasoning_markup else None
         tools = [] if plan.calls_closed else plan.tools
         self.tools: ToolParser | None = make_tool_parser(plan.chat_template, tools, plan.guardrails)
@@ -55,7 +57,13 @@ class OutputPipeline:
 
     @property
     def stopped(self) -> bool:
-        return self.stop_sequence is not None
+        return self.stop_sequence is not None or self.echoed
+
+    def _matched(self, matched: str | None) -> None:
+        if matched in self.echo_stops:
+            self.echoed = True
+        elif matched is not None:
+            self.stop_sequence = matched
 
     def feed(self, token: TokenEvent) -> list[Event]:
         if self.stopped:
@@ -66,16 +74,14 @@ class OutputPipeline:
         if self.want_logprobs:
             self.pending_logprobs.append(self._logprob(token))
         text, matched = self.stops.push(self._detokenize(token.token_id))
-        if matched is not None:
-            self.stop_sequence = matched
+        self._matched(matched)
         return self._route(text)
 
     def finish(self, result: CompletionResult) -> list[Event]:
         events: list[Event] = []
         if not self.stopped:
             text, matched = self.stops.push(self.decoder.flush())
-            if matched is not None:
-                self.stop_sequence = matched
+            self._matched(matched)
             events += self._route(text + ("" if self.stopped else self.stops.flush()))
         if self.splitter is not None:
             events += self._answer(self.splitter.finish())

@@ -68,6 +68,9 @@ class Plan:
     start_in_reasoning: bool = False  # the generation prompt opened a think block
     has_reasoning_markup: bool = False  # the model can emit <think> at all
     thinking_budget: int | None = None
+    # text the server added to the prompt that the reply must not repeat (`focused_messages`'
+    # reminder): the reply ends where it starts, as a plain end, not the client's stop sequence
+    echo_stops: tuple[str, ...] = ()
 
     @property
     def calls_closed(self) -> bool:
@@ -359,6 +362,9 @@ def _with_tool_prompt(messages: list[Message], text: str) -> list[Message]:
 
 # A focused request that gives no temperature samples at this (`focused_messages` says why)
 FOCUS_TEMPERATURE = 0.2
+# how `focused_messages` repeats the request after a tool result; a reply that starts to echo
+# it ends there (`Plan.echo_stops`: the 1.5B model once answered with the result and this line)
+ASKED = "(The user asked: "
 _LINE_NUMBERS = re.compile(r"^ *\d+\t", re.M)
 _REMINDERS = re.compile(r"<system-reminder>.*?</system-reminder>\s*", re.S)
 
@@ -377,7 +383,8 @@ def focused_messages(messages: list[Message], shown: list[Tool], tools: list[Too
     - a tool result in `cat -n` form (every line a line number and a tab: Claude Code's Read) loses
       the numbers, which the model copied into files it wrote;
     - when the conversation ends with a tool result, the user's request follows it once more,
-      "(The user asked: ...)": the model re-ran the call instead of answering from its result.
+      "(The user asked: ...)": the model re-ran the call instead of answering from its result
+      (a reply that starts to repeat this line ends there: `Plan.echo_stops`).
 
     The client's messages are not changed; `serve --tool-focus off` renders them as sent."""
     seen = {t.name for t in shown}
@@ -396,7 +403,7 @@ def focused_messages(messages: list[Message], shown: list[Tool], tools: list[Too
     if out and out[-1].role == "tool":
         asked = next((m.content.strip() for m in reversed(out) if m.role == "user" and m.content.strip()), "")
         if asked:
-            out[-1] = replace(out[-1], content=f"{out[-1].content}\n\n(The user asked: {asked})")
+            out[-1] = replace(out[-1], content=f"{out[-1].content}\n\n{ASKED}{asked})")
     return out
 
 
@@ -428,6 +435,7 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
     has_reasoning = think_id is not None or "<think>" in template
 
     shown = focus_tools(tools, served.focus_tools)
+    echo_stops: tuple[str, ...] = ()
     focused = shown is not tools  # `focus_tools` returns the list itself when it keeps all
     # the guard narrows what a started call is held to: tool_choice auto under the call grammar
     # only (required and named tools must still end in a call, and the parser must read it)
@@ -448,6 +456,8 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
         guide = served.tool_prompt or (tool_guide(shown) if focused else None)
         if focused:
             messages = focused_messages(messages, shown, tools)
+            if messages and messages[-1].role == "tool" and ASKED in messages[-1].content:
+                echo_stops = (ASKED.rstrip(),)
         if tools and guide:
             messages = _with_tool_prompt(messages, guide)
         try:
@@ -531,6 +541,7 @@ def make_plan(request: ChatRequest, registry: ModelRegistry) -> Plan:
         start_in_reasoning=start_in_reasoning,
         has_reasoning_markup=has_reasoning,
         thinking_budget=budget if has_reasoning else None,
+        echo_stops=echo_stops,
     )
     plan.config.processors.extend(processors_for_plan(plan))
     return plan

@@ -181,8 +181,8 @@ class Int8Linear(nn.Module):
         self.weight: torch.Tensor | None
         self.scales: torch.Tensor
         self.bias: torch.Tensor | None
-        # where the native kernels run, their layout replaces the (out, in) codes (`rows_weight`
-        # rebuilds those for the rare path that expands them)
+        # where the native kernels run, their layout replaces the (out, in) codes: `expanded`
+        # widens it for many rows, `rows_weight` rebuilds the codes for torch's int8 kernel
         self.q8 = native.pack_q8(q, scales) if self.native_rows else None
         self.register_buffer("weight", None if self.q8 is not None else q)  # (out, in) int8
         self.register_buffer("scales", scales.to(self.kernel_dtype))  # (out,)

@@ -357,15 +357,10 @@ void ts_pool_test_stall(int ns) { atomic_store(&stall_test_ns, ns); }
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* 32 unsigned x signed byte products summed four to an int32 lane. With AVX-512 VNNI (built with
- * -mavx512vnni -mavx512vl where the CPU has them) one vpdpbusd; else vpmaddubsw (pairs to int16)
- * then vpmaddwd against ones. The same sums: a pair here is at most 2 * 128 * 127 < 2^15, so the
- * int16 step never saturates. */
-#ifdef __AVX512VNNI__
-#define DOT_U8S8(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s))
-#else
-#define DOT_U8S8(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), ones)
-#endif
+/* Byte dot products: unsigned x signed bytes summed four to an int32 lane. With AVX-512 VNNI
+ * (built with -mavx512vnni -mavx512vl where the CPU has them) one vpdpbusd, which also adds into
+ * its accumulator; else vpmaddubsw (pairs to int16) and vpmaddwd against ones. Both builds reach
+ * the same integer sums (see q4_group and q8_group for why no int16 step saturates). */
 
 /* Activation rows as the dot products read them: codes (rows, k), per-block scales and sums
  * (rows, k / 32), through restrict pointers so the compiler keeps them in registers. */
@@ -609,15 +604,15 @@ int ts_q4_matmul(const float *x, int rows, int k, const uint8_t *codes, const ui
     return quantized_matmul(q4_chunk, x, rows, k, codes, d16, m16, NULL, n, bias, y, NULL, threads);
 }
 
-/* y (rows, n) = (x (rows, k) @ w.T) * scales (+ bias), w int8 (n, k) */
-int ts_q8_matmul(const float *x, int rows, int k, const int8_t *w, const float *scales, int n,
+/* y (rows, n) = (x (rows, k) @ w.T) * scales (+ bias), w a q8 weight (n, k) in the group layout */
+int ts_q8_matmul(const float *x, int rows, int k, const uint8_t *w, const float *scales, int n,
                  const float *bias, float *y, int threads) {
     return quantized_matmul(q8_chunk, x, rows, k, w, NULL, NULL, scales, n, bias, y, NULL, threads);
 }
 
 /* the same, and argmax (rows) int64: each row's column of its largest output, as numpy's argmax
  * of y would give it (the first maximum; a NaN counts as the largest) */
-int ts_q8_matmul_argmax(const float *x, int rows, int k, const int8_t *w, const float *scales, int n,
+int ts_q8_matmul_argmax(const float *x, int rows, int k, const uint8_t *w, const float *scales, int n,
                         const float *bias, float *y, int64_t *argmax, int threads) {
     return quantized_matmul(q8_chunk, x, rows, k, w, NULL, NULL, scales, n, bias, y, argmax, threads);
 }

@@ -372,6 +372,20 @@ typedef struct {
     int k, nb, nbp; /* width, blocks, blocks padded (the stride of scale and sum) */
 } xrows;
 
+#ifdef __AVX512VNNI__
+/* one block of a group against one activation row: eight vpdpbusd, each four bytes of the row
+ * (broadcast) against four inputs of the eight columns, in two chains of four */
+INLINE __m256i dot8_vnni(const __m256i *w, const int32_t *xr) {
+    __m256i s0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[0], _mm256_set1_epi32(xr[0]));
+    __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[4], _mm256_set1_epi32(xr[4]));
+    for (int j = 1; j < 4; j++) {
+        s0 = _mm256_dpbusd_epi32(s0, w[j], _mm256_set1_epi32(xr[j]));
+        s1 = _mm256_dpbusd_epi32(s1, w[j + 4], _mm256_set1_epi32(xr[j + 4]));
+    }
+    return _mm256_add_epi32(s0, s1);
+}
+#endif
+
 /* Eight output columns of a q4 weight (one group, see the layout at the top) against `ROWS`
  * activation rows. Each 32-bit lane of a register holds one column, so per block and row eight
  * byte dot products (each: four inputs of all eight columns against those four inputs of the
@@ -399,13 +413,7 @@ INLINE void q4_group(const uint8_t *restrict codes, const uint16_t *restrict d16
         for (int r = 0; r < ROWS; r++) {
             const int32_t *xr = (const int32_t *)(x.q + (size_t)r * x.k + (size_t)b * QK);
 #ifdef __AVX512VNNI__
-            __m256i s0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[0], _mm256_set1_epi32(xr[0]));
-            __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[4], _mm256_set1_epi32(xr[4]));
-            for (int j = 1; j < 4; j++) {
-                s0 = _mm256_dpbusd_epi32(s0, w[j], _mm256_set1_epi32(xr[j]));
-                s1 = _mm256_dpbusd_epi32(s1, w[j + 4], _mm256_set1_epi32(xr[j + 4]));
-            }
-            const __m256i s = _mm256_add_epi32(s0, s1);
+            const __m256i s = dot8_vnni(w, xr);
 #else
             /* pairs of u4 x s8 products in int16: at most 2 * 15 * 128 per pair, so eight of them
              * summed stay below 2^15 */
@@ -447,13 +455,7 @@ INLINE void q8_group(const uint8_t *restrict codes, xrows x, const int ROWS, __m
             const int32_t *xr = (const int32_t *)(x.q + (size_t)r * x.k + (size_t)b * QK);
             const int at = r * x.nbp + b;
 #ifdef __AVX512VNNI__
-            __m256i s0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[0], _mm256_set1_epi32(xr[0]));
-            __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w[4], _mm256_set1_epi32(xr[4]));
-            for (int j = 1; j < 4; j++) {
-                s0 = _mm256_dpbusd_epi32(s0, w[j], _mm256_set1_epi32(xr[j]));
-                s1 = _mm256_dpbusd_epi32(s1, w[j + 4], _mm256_set1_epi32(xr[j + 4]));
-            }
-            const __m256i s = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), _mm256_set1_epi32(128 * x.isum[at]));
+            const __m256i s = _mm256_sub_epi32(dot8_vnni(w, xr), _mm256_set1_epi32(128 * x.isum[at]));
 #else
             __m256i s = _mm256_setzero_si256();
             for (int j = 0; j < 8; j++) {

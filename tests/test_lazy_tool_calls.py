@@ -124,6 +124,33 @@ def test_json_after_prose_or_a_long_prefix_stays_text(tokenizer: Tokenizer) -> N
 
 
 @pytest.mark.parametrize("tokenizer", _tokenizers(), ids=["bytes", "bpe"])
+def test_a_fenced_call_after_text_becomes_a_valid_call(tokenizer: Tokenizer) -> None:
+    """What qwen2.5-coder:1.5b writes under Claude Code at times: a sentence, then the call in a
+    JSON code fence. The fence starts the call grammar; the sentence stays text."""
+    before = LAZY_TRIGGERS.labels(form="fence")._value.get()
+    wrong_args = '```json\n{"name": "Read", "arguments": {"path": "notes.txt", "lines": "all"}}\n```'
+    for seed in range(4):
+        result = _run("To read it, use this tool:\n\n" + wrong_args, tokenizer, seed)
+        _assert_valid_calls(result)
+        assert result["text"] == "To read it, use this tool:"
+    assert LAZY_TRIGGERS.labels(form="fence")._value.get() - before == 4
+
+
+@pytest.mark.parametrize("tokenizer", _tokenizers(), ids=["bytes", "bpe"])
+def test_code_fences_after_text_that_open_no_call_stay_free(tokenizer: Tokenizer) -> None:
+    before = LAZY_TRIGGERS.labels(form="fence")._value.get()
+    for reply in (
+        "Run this:\n\n```python\nprint('hi')\n```\n\nIt prints hi.",
+        'The file holds:\n\n```json\n{"port": 8080}\n```',
+        'A package.json:\n\n```json\n{"name": "my-app", "version": "1.0.0"}\n```',
+        "Call it so:\n\n" + WRONG_FENCED,  # after text, only a declared tool's name starts a call
+        "Here: ```bash\nls\n``` and more `code`.",
+    ):
+        assert _run(reply, tokenizer, 0) == {"text": reply, "reasoning": "", "calls": []}
+    assert LAZY_TRIGGERS.labels(form="fence")._value.get() == before
+
+
+@pytest.mark.parametrize("tokenizer", _tokenizers(), ids=["bytes", "bpe"])
 def test_text_before_a_tagged_call_stays_free(tokenizer: Tokenizer) -> None:
     for seed in range(8):
         result = _run(WRONG_TAGGED, tokenizer, seed)

@@ -197,6 +197,52 @@ def test_a_longer_or_wordy_prefix_stays_text(family: ToolFamily, text: str) -> N
     assert _run_streamed(family, text) == (text, [])
 
 
+FENCED_CALL = "```json\n" + JUNK_CALL + "\n```"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "To check the weather, call the tool:\n\n" + FENCED_CALL,
+        "Sure.\n```\n" + JUNK_CALL + "\n```\n",
+    ],
+)
+def test_a_fenced_call_after_text_is_a_call(text: str) -> None:
+    """Small Qwen models write a sentence, then the call in a code fence: the Hermes parser reads
+    it as a call to a declared tool; the sentence stays text."""
+    prose = text[: text.index("```")].strip()
+    call = (prose, [("get_weather", {"city": "Paris"})])
+    assert _run(ToolFamily.HERMES, text, GuardrailConfig()) == call
+    assert _run_streamed(ToolFamily.HERMES, text) == call
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Use this:\n\n```python\nprint('```')\n```\n\nIt prints three backticks.",
+        'The config:\n```json\n{"city": "Paris"}\n```',  # JSON that is not a call
+        'Like so:\n```json\n{"name": "my-app", "version": "1.0.0"}\n```',  # a package.json
+        'Call:\n```json\n{"name": "send_mail", "arguments": {"to": "x"}}\n```',  # not declared
+        "An unclosed fence: ```json\n{",
+        "Inline `code` and ``two`` and a lone ``` here.",
+    ],
+)
+def test_code_fences_after_text_that_hold_no_declared_call_stay_text(text: str) -> None:
+    tools = [Tool("get_weather", parameters={"type": "object", "properties": {"city": {"type": "string"}}})]
+    parser = make_tool_parser(TEMPLATES[ToolFamily.HERMES.value], tools, GuardrailConfig())
+    assert parser is not None
+    events = parser.feed(text) + parser.finish()
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == text
+    assert parser.stats.num_as_text == 0  # not counted as a call gone wrong
+    assert _run_streamed(ToolFamily.HERMES, text) == (text, [])
+
+
+def test_a_fenced_call_after_text_is_read_by_the_hermes_family_with_the_guardrails_only() -> None:
+    text = "Here it is:\n" + FENCED_CALL
+    assert _run(ToolFamily.HERMES, text, GuardrailConfig(enabled=False)) == (text, [])
+    assert _run(ToolFamily.LLAMA3, text, GuardrailConfig()) == (text, [])
+
+
 def test_a_junk_prefix_is_read_only_with_the_guardrails_on() -> None:
     text = ">" + JUNK_CALL
     assert _run(ToolFamily.HERMES, text, GuardrailConfig(enabled=False)) == (text, [])

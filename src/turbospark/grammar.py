@@ -509,6 +509,9 @@ class LazyCallGrammars:
     by_token: dict[int, llguidance.LLMatcher]  # opening special token -> the family's call grammar
     bare: llguidance.LLMatcher | None  # a bare / fenced JSON call at the answer's start
     closer_id: int | None = None  # the token that closes a tagged call (`</tool_call>`), if one
+    # a fenced call after text to one of these tools starts `bare` too (the Hermes parser reads
+    # one as a call); empty: none does
+    fenced_names: frozenset[str] = frozenset()
 
 
 _lazy_cache: OrderedDict[tuple[int, int, str], LazyCallGrammars] = OrderedDict()
@@ -555,6 +558,9 @@ def lazy_call_grammars(
         by_token,
         make_matcher(g_bare.text(), tokenizer, vocab_size, "tools") if with_bare else None,
         closer_id,
+        fenced_names=frozenset(t.name for t in tools)
+        if with_bare and family is ToolFamily.HERMES
+        else frozenset(),
     )
     with _ll_lock:
         _lazy_cache[key] = built
@@ -594,6 +600,9 @@ class LazyToolCallProcessor:
         self.in_reasoning = self.start_in_reasoning
         self.answer: list[int] = []  # answer tokens while a bare call may still open
         self.watch_bare = grammars.bare is not None
+        # after text: the tokens from one holding a backtick, while they may open a fenced call
+        self.ticks = backtick_ids(tokenizer) if grammars.fenced_names else frozenset()
+        self.fence: list[int] | None = None
         self.matcher: llguidance.LLMatcher | None = None
         self.trigger: str | None = None
         self.failed = False  # the written prefix did not fit the grammar: left free
@@ -646,6 +655,8 @@ class LazyToolCallProcessor:
             self.call = [token_id]
             return
         if not self.watch_bare:
+            if self.ticks:
+                self._watch_fence(token_id)
             return
         self.answer.append(token_id)
         state = bare_trigger_state(self.tokenizer.decode(self.answer, skip_special_tokens=False))
@@ -655,6 +666,38 @@ class LazyToolCallProcessor:
             self._start(self.grammars.bare, self.answer, "bare")
         self.watch_bare = False
         self.answer = []
+
+    def _watch_fence(self, token_id: int) -> None:
+        """After text: a JSON code fence whose object names a declared tool (`{"name": "Read"`)
+        starts the bare call grammar from the token that holds the backticks, when nothing but
+        whitespace comes before them in that token; else the fence stays free (the parser still
+        reads a call in it). Unlike a call at the answer's start, the name must already be a
+        declared tool's: after text a fenced JSON object is as likely a file's content (a
+        package.json has a "name" too). Text is only decoded from a backtick on, for the few
+        tokens that decide."""
+        if self.fence is None:
+            if token_id not in self.ticks:
+                return
+            self.fence = []
+        self.fence.append(token_id)
+        text = self.tokenizer.decode(self.fence, skip_special_tokens=False)
+        at = text.find("```")
+        if at < 0:
+            if len(self.fence) >= _FENCE_TOKENS:
+                self.fence = [token_id] if token_id in self.ticks else None
+            return
+        state = bare_trigger_state(text[at:])
+        named = _FENCED_NAME.match(text, at) if state else None
+        if (state is None or (state and named is None)) and len(self.fence) < _FENCE_TOKENS + 32:
+            return  # the fence's header, the object's start or its name is still coming
+        tokens, self.fence = self.fence, None
+        if named is None or named.group(1) not in self.grammars.fenced_names:
+            return
+        if text[:at].strip():
+            LAZY_TRIGGERS.labels(form="missed").inc()
+            return
+        assert self.grammars.bare is not None
+        self._start(self.grammars.bare, tokens, "fence")
 
     def _track_call(self, token_id: int) -> None:
         """Follows the tagged calls of a constrained answer, to spot one written again."""
@@ -690,6 +733,24 @@ class LazyToolCallProcessor:
 
 _CALL_STARTS = ("<", "{", "`", "[")
 _call_start_ids: dict[int, tuple[Tokenizer, torch.Tensor]] = {}
+# a fence's three backticks come within this many tokens of the first
+_FENCE_TOKENS = 3
+_FENCED_NAME = re.compile(r'```[\w-]{0,16}[ \t]*\n\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_backtick_ids: dict[int, tuple[Tokenizer, frozenset[int]]] = {}
+
+
+def backtick_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """Ids of the tokens whose text holds a backtick (where a code fence can start). Built once
+    per tokenizer, like `call_start_ids`."""
+    with _ll_lock:
+        found = _backtick_ids.get(id(tokenizer))
+        if found is not None and found[0] is tokenizer:
+            return found[1]
+    texts = tokenizer.hf.decode_batch([[i] for i in range(tokenizer.vocab_size)], skip_special_tokens=False)
+    ids = frozenset(i for i, t in enumerate(texts) if "`" in t)
+    with _ll_lock:
+        _backtick_ids[id(tokenizer)] = (tokenizer, ids)
+    return ids
 
 
 def call_start_ids(tokenizer: Tokenizer) -> torch.Tensor:

@@ -33,6 +33,7 @@ class HermesParser(StreamToolParser):
     def __init__(self, tools: Sequence[Tool], guardrails: GuardrailConfig) -> None:
         super().__init__(tools, guardrails)
         self.bare_json = guardrails.enabled
+        self.fenced_after_text = guardrails.enabled
 
     def region_end(self, marker: str, text: str) -> int | Scan:
         if marker == "":

@@ -58,6 +58,8 @@ JUNK_CHARS = ">:-*`#|~=+.,;!"
 MAX_JUNK = 3
 MAX_JUNK_GAP = 8
 JUNK_GAP_CHARS = " \t\n"
+# a code fence: with `fenced_after_text`, where a call written after text may open
+FENCE = "```"
 
 
 def junk_prefix_end(text: str) -> int | Scan:
@@ -222,6 +224,8 @@ class StreamToolParser:
     special_markers: tuple[str, ...] = ()  # special tokens the detokenizer must not skip
     bare_json = False  # a JSON call (maybe in a code fence) may open the answer
     bare_is_native = False  # the family's own format is bare JSON (then a miss is a failed call)
+    # with `bare_json`: a code-fenced JSON call to a declared tool after text is a call too
+    fenced_after_text = False
 
     def __init__(self, tools: Sequence[Tool], guardrails: GuardrailConfig) -> None:
         self.tools: Mapping[str, Tool] = {t.name: t for t in tools}
@@ -300,8 +304,9 @@ class StreamToolParser:
                 self.region_ws, self.ws = self.ws + buf[:skip], ""
                 self.marker, self.buf, self.at_start = "", buf[skip:], False
                 return True
+        markers = (*self.markers, FENCE) if self.fenced_after_text else self.markers
         best: tuple[int, str] | None = None
-        for marker in self.markers:
+        for marker in markers:
             at = buf.find(marker)
             if at >= 0 and (best is None or at < best[0]):
                 best = (at, marker)
@@ -312,14 +317,19 @@ class StreamToolParser:
             self.marker, self.buf = marker, buf[at + len(marker) :]
             self.at_start = False
             return True
-        hold = max((partial_suffix(buf, m) for m in self.markers), default=0)
+        hold = max((partial_suffix(buf, m) for m in markers), default=0)
         self._emit_text(out, buf[: len(buf) - hold])
         self.buf = buf[len(buf) - hold :]
         return False
 
     def _scan_region(self, out: list[ToolEvent]) -> bool:
         assert self.marker is not None
-        end = self.region_end(self.marker, self.buf)
+        if self.marker == FENCE:
+            end = bare_region_end(FENCE + self.buf, self.json_end)
+            if isinstance(end, int):
+                end -= len(FENCE)
+        else:
+            end = self.region_end(self.marker, self.buf)
         if end is Scan.MORE:
             return False
         self.scans.clear()  # the region is over: its buffer is about to be cut
@@ -355,7 +365,10 @@ class StreamToolParser:
         source = marker + region
         calls: list[RawCall] | None
         try:
-            calls = self.parse_region(marker, region, complete)
+            if marker == FENCE:
+                calls = parse_bare(source, self.config)
+            else:
+                calls = self.parse_region(marker, region, complete)
         except (ValueError, JsonRepairError):
             calls = None
         if calls is not None and not complete:
@@ -364,21 +377,23 @@ class StreamToolParser:
             else:
                 for call in calls:
                     call.repairs.append("unclosed")
-        bare = marker == ""
+        bare = marker in ("", FENCE)
         # A JSON answer is only a call if it names a declared tool (unless bare JSON is the
-        # family's own call syntax).
+        # family's own call syntax); a fenced one after text, only in the shape of a call
         if (
             calls is not None
             and bare
-            and not self.bare_is_native
+            and (not self.bare_is_native or marker == FENCE)
             and not all(isinstance(c.name, str) and self._declared(c.name) for c in calls)
         ):
+            calls = None
+        if calls is not None and marker == FENCE and any("shape" in c.repairs for c in calls):
             calls = None
         if calls is not None and bare and self.region_ws.strip():
             for call in calls:
                 call.repairs.append("junk_prefix")  # dropped with the call, as whitespace is
         if calls is None:
-            if not bare or (self.bare_is_native and _looks_like_call(region)):
+            if not bare or (marker == "" and self.bare_is_native and _looks_like_call(region)):
                 self._reject(out, source, "parse", "the call could not be parsed")
             else:
                 self._emit_text(out, self._take_region_ws() + source)

@@ -4,7 +4,8 @@ Each call sits in its own tag pair; several calls are several pairs. Besides the
 guardrails accept what small Qwen models write instead: a list of calls in one pair, a call
 whose closing tag never came (the next `<tool_call>` or the end of the output closes it), and a
 bare or code-fenced JSON call at the start of the answer, maybe after a short junk prefix such as
-`>` (`stream.junk_prefix_end`).
+`>` (`stream.junk_prefix_end`), and a code-fenced call to a declared tool after text ("Here's how
+you can do it:" and the call: qwen2.5-coder:1.5b under Claude Code, benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -14,7 +14,10 @@ the answer (Llama 3 writes calls that way; small Qwen models put them in a code 
 a short junk prefix there (`JUNK_CHARS`, see `junk_prefix_end`): a small model sometimes writes
 `>{"name": ...}`. The junk is dropped with the call, as that whitespace is (the call counts as
 repaired, kind `junk_prefix`), and comes back as text with the rest if what follows is not a
-call. Text after the call is text as after any call (a closing backtick included).
+call. Text after the call is text as after any call (a closing backtick included). With
+`fenced_after_text` a code fence anywhere in the text opens a region too: a JSON object in the
+shape of a call to a declared tool there is a call; anything else in it (code, a package.json, a
+call to an unknown tool) comes back as the text it was, not counted as a failed call.
 """
 
 from __future__ import annotations

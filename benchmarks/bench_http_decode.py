@@ -15,13 +15,11 @@ machine drifts between rounds): the issue's target is HTTP >= 95% of the engine.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 
-import httpx
 import torch
 
+from bench_api_peer import one_request
 from bench_engine_cpu import cpu_kind, prompt_ids, turbospark_engine
 from turbospark.engine.cpu_kernels import cpu_kernels
 from turbospark.engine.loader import load_checkpoint
@@ -31,29 +29,8 @@ from turbospark.testing import ServerProcess
 def http_decode(url: str, model: str, text: str, new_tokens: int) -> tuple[float, int]:
     """(decode tokens/s, completion tokens) of one streamed greedy request: a text completion,
     which continues the prompt (a chat reply may end long before `new_tokens`)."""
-    body = {
-        "model": model,
-        "prompt": text,
-        "max_tokens": new_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    stamps: list[float] = []
-    tokens = 0
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as reply:
-        reply.raise_for_status()
-        for line in reply.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if any(c.get("text") for c in chunk.get("choices", [])):
-                stamps.append(time.perf_counter())
-    if tokens < 2 or len(stamps) < 2:
-        raise RuntimeError(f"the reply was too short to time ({tokens} tokens)")
-    return (tokens - 1) / (stamps[-1] - stamps[0]), tokens
+    got = one_request(url, model, text, new_tokens, {})
+    return got["decode"], int(got["tokens"])
 
 
 def main() -> None:

@@ -10,8 +10,9 @@ both the same cores. Each round sends each server, in turn, one streamed greedy 
 request with the same text: a prompt of about `--prompt-tokens` tokens that starts with the
 round's number, so no prefix cache holds it, and `max_tokens` = `--new-tokens`. Prefill rate =
 prompt tokens / time to the first content chunk; decode rate = (completion tokens - 1) / (first
-content chunk to last). Medians over the rounds, and the median of each round's ratio. Works on a random-weight GGUF (`random_gguf.py`) as on a real one:
-speed does not depend on the weights' values.
+content chunk to last). Medians over the rounds, and the median of each round's ratio. Works on
+a random-weight GGUF (`random_gguf.py`) as on a real one: speed does not depend on the weights'
+values.
 """
 
 from __future__ import annotations

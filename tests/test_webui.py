@@ -366,6 +366,8 @@ def test_an_image_for_a_model_without_vision_shows_the_servers_refusal(page: Any
         page.wait_for_function("() => document.getElementById('vision-hint').textContent !== ''")
         assert "no vision" in page.locator("#vision-hint").inner_text()
         page.set_input_files("#attach", str(png))
+        # the page reads the file asynchronously (FileReader): wait for its preview to appear
+        page.locator("#attachments img").first.wait_for(state="attached", timeout=10_000)
         assert page.locator("#attachments img").count() == 1
         send(page, "What is in this picture?")
         wait_idle(page)
